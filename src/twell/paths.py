@@ -1,0 +1,54 @@
+"""Where things live: the repository, reports/, and the offline data directory.
+
+Every location can be overridden by an environment variable so that notebooks, the pipeline and
+tests agree without passing paths around:
+
+- ``TWELL_REPORTS``: output root for figures/tables/executed notebooks (default ``<repo>/reports``).
+- ``TWELL_SHARED_DATA``: directory with offline corpora and evaluation files
+  (default ``<repo>/../shared/data`` when it exists). Never copied into the repository.
+- ``TWELL_CACHE``: generated artefacts such as token files and trained tokenizers
+  (default ``<repo>/data/cache``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def repo_root() -> Path:
+    """The checkout root (the directory holding pyproject.toml), else the current directory."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "src" / "twell").is_dir():
+            return parent
+    return Path.cwd()
+
+
+def reports_dir(*parts: str, create: bool = True) -> Path:
+    """``reports/<parts...>``; created on demand."""
+    root = Path(os.environ.get("TWELL_REPORTS", repo_root() / "reports"))
+    path = root.joinpath(*parts)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shared_data_dir() -> Path | None:
+    """The offline data directory, or None when neither the variable nor ../shared/data exists."""
+    env = os.environ.get("TWELL_SHARED_DATA")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"TWELL_SHARED_DATA={env!r} is not a directory")
+        return path
+    default = repo_root().parent / "shared" / "data"
+    return default if default.is_dir() else None
+
+
+def cache_dir(*parts: str, create: bool = True) -> Path:
+    """``data/cache/<parts...>`` (git-ignored) for generated token files and tokenizers."""
+    root = Path(os.environ.get("TWELL_CACHE", repo_root() / "data" / "cache"))
+    path = root.joinpath(*parts)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
