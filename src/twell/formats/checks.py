@@ -1,0 +1,67 @@
+"""Input checks shared by the formats, the reference ops and the kernel wrappers.
+
+Errors name what was expected and what arrived, e.g.
+``x: expected bfloat16 [M, 2048] contiguous, got float32 [4, 7]``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+Dim = Union[int, str, None]  # an int must match; a str names a free dimension; None = any
+
+
+def describe(t: torch.Tensor) -> str:
+    layout = "" if t.is_contiguous() else " non-contiguous"
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}{layout}"
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    shape: Optional[Sequence[Dim]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+) -> None:
+    """Raise TypeError/ValueError with a message naming the expectation when ``t`` does not fit."""
+    want = []
+    if dtype is not None:
+        want.append(str(dtype).replace("torch.", ""))
+    if shape is not None:
+        want.append("[" + ", ".join("*" if d is None else str(d) for d in shape) + "]")
+    if device is not None:
+        want.append(f"on {device}")
+    if contiguous:
+        want.append("contiguous")
+    expected = " ".join(want)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor ({expected}), got {type(t).__name__}")
+    got = describe(t)
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected {expected}, got {got}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(
+            not isinstance(d, int) or t.shape[i] == d for i, d in enumerate(shape)
+        )
+        if not ok:
+            raise ValueError(f"{name}: expected {expected}, got {got}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected {expected}, got {got} (all inputs must be on one device)")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected {expected}, got {got}; call .contiguous() first")
+
+
+def check_tiling(tile: int, compression: int) -> int:
+    """Validate the TwELL tile width T and compression C; return the slots per tile, T // C."""
+    for label, v in (("tile", tile), ("compression", compression)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{label} must be a positive int, got {v!r}")
+    if tile % compression:
+        raise ValueError(f"tile width T={tile} must be a multiple of the compression factor C={compression}")
+    slots = tile // compression
+    if slots < 2:
+        raise ValueError(f"T/C = {tile}/{compression} leaves {slots} slot per tile; need >= 2 (count + 1 entry)")
+    return slots

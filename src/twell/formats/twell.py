@@ -1,0 +1,199 @@
+"""TwELL: tile-wise ELLPACK storage for a sparse post-ReLU activation ``h`` of shape [M, H].
+
+Layout (the contract every producer and consumer in this repository follows)
+---------------------------------------------------------------------------
+- The H columns are split into ``n_tiles = ceil(H / T)`` column tiles of width ``T`` (256 by
+  default, matching the gate GEMM's column tile; 128 and 64 also work). The last tile is padded.
+- Each (row, tile) owns ``S = T // C`` consecutive 32-bit words (``C`` is the compression factor,
+  8 by default, so S = 32 words = 128 bytes per tile row):
+
+  ``word 0``        count: the number of nonzeros of this row inside this tile (the true count,
+                    which may exceed S - 1)
+  ``words 1..S-1``  entries ``(bf16_bits(value) << 16) | column``: the bf16 bit pattern in the
+                    upper half, the *global* column index (0 <= column < H <= 65536) in the lower half
+
+  so ``packed`` is a ``torch.uint32`` matrix of shape [M, n_tiles * S], row-major.
+- The reference packer writes entries in ascending column order and zeroes unused slots; kernels may
+  write entries in another order and leave unused slots unwritten. Consumers read exactly
+  ``min(count, S - 1)`` entries and assume no order.
+- A zero is an exact ``0`` (or ``-0``); anything else, NaN and Inf included, is a nonzero, so a NaN
+  never silently becomes zero.
+- Overflow: a row with more than S - 1 nonzeros in some tile cannot be stored in its slots. Such a row
+  is never dropped: it is listed in ``overflow_rows`` (int64, ascending) and its exact values are kept
+  in ``overflow_dense`` ([R, H] bf16). Its packed words still hold the true counts (so a kernel can
+  recognise it) and the first S - 1 entries of each tile. Consumers use the dense copy for these rows.
+
+``unpack()`` reproduces ``h`` exactly (up to the sign of zeros).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from twell.formats.checks import check_tensor, check_tiling
+
+MAX_COLUMNS = 1 << 16  # the column index has 16 bits
+
+
+def _require_little_endian() -> None:
+    # Words are assembled from int16 halves through a view, which assumes little-endian memory.
+    if sys.byteorder != "little":
+        raise RuntimeError("TwELL packing assumes a little-endian machine")
+
+
+@dataclass
+class TwELL:
+    """A packed TwELL matrix plus the dense backup of its overflow rows (see module docstring)."""
+
+    packed: torch.Tensor  # uint32 [M, n_tiles * S]
+    overflow_rows: torch.Tensor  # int64 [R], ascending
+    overflow_dense: torch.Tensor  # bf16 [R, H]
+    n_cols: int
+    tile: int = 256
+    compression: int = 8
+    n_overflow_tiles: int = 0
+
+    # -- geometry --------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        return self.tile // self.compression
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n_cols // self.tile)
+
+    @property
+    def n_rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def n_overflow_rows(self) -> int:
+        return int(self.overflow_rows.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def words(self) -> torch.Tensor:
+        """The packed words as int32 [M, n_tiles, S] (same bits; PyTorch has few uint32 kernels)."""
+        return self.packed.view(torch.int32).view(self.n_rows, self.n_tiles, self.slots)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def counts(self) -> torch.Tensor:
+        """int32 [M, n_tiles]: true nonzero count of each tile row."""
+        return self.words()[..., 0].clone()
+
+    def nnz_per_row(self) -> torch.Tensor:
+        """int32 [M]: nonzeros per row."""
+        return self.words()[..., 0].sum(-1, dtype=torch.int32)
+
+    def overflow_mask(self) -> torch.Tensor:
+        """bool [M]: rows stored in the dense backup."""
+        mask = torch.zeros(self.n_rows, dtype=torch.bool, device=self.device)
+        mask[self.overflow_rows] = True
+        return mask
+
+    def nbytes(self) -> int:
+        """Bytes of the packed matrix, the overflow row list and the dense backup."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.overflow_rows, self.overflow_dense))
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """COO view of the packed part of the non-overflow rows: (rows int64, cols int64, values bf16)."""
+        m, _, cols, vals = self._entries()
+        return m, cols, vals
+
+    def _entries(self):
+        w = self.words()
+        slot = torch.arange(1, self.slots, device=self.device)
+        valid = slot < (w[..., :1] + 1)  # entry k (1-based slot) is valid when k <= count
+        valid &= ~self.overflow_mask()[:, None, None]
+        m, t, k = valid.nonzero(as_tuple=True)
+        word = w[m, t, k + 1]
+        halves = word.view(torch.int16).view(-1, 2)  # little-endian: [low = column, high = value]
+        cols = halves[:, 0].to(torch.int64) & 0xFFFF
+        vals = halves[:, 1].contiguous().view(torch.bfloat16)
+        return m, t, cols, vals
+
+    def unpack(self) -> torch.Tensor:
+        """Dense bf16 [M, H] equal to the packed activation."""
+        out = torch.zeros(self.n_rows, self.n_cols, dtype=torch.bfloat16, device=self.device)
+        m, cols, vals = self.entries()
+        out[m, cols] = vals
+        if self.n_overflow_rows:
+            out[self.overflow_rows] = self.overflow_dense
+        return out
+
+    def validate(self) -> None:
+        """Check internal consistency (useful on kernel output); raise ValueError on the first problem."""
+        w = self.words()
+        cnt = w[..., 0]
+        if (cnt < 0).any() or (cnt > self.tile).any():
+            raise ValueError(f"TwELL counts outside [0, {self.tile}]")
+        over = (cnt > self.slots - 1).any(-1)
+        listed = self.overflow_mask()
+        if not torch.equal(over, listed):
+            bad = (over != listed).nonzero().flatten()[:5].tolist()
+            raise ValueError(f"overflow_rows disagree with the counts at rows {bad}")
+        m, t, cols, vals = self._entries()
+        if (cols >= self.n_cols).any() or not torch.equal(torch.div(cols, self.tile, rounding_mode="floor"), t):
+            raise ValueError("TwELL entry with a column outside its tile or past H")
+        if (vals == 0).any():
+            raise ValueError("TwELL entry holding an explicit zero")
+        key = m * self.n_cols + cols
+        if key.unique().numel() != key.numel():
+            raise ValueError("TwELL tile row with a repeated column")
+
+
+def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """Pack a post-ReLU activation ``h`` (bf16 [M, H], any device) into TwELL.
+
+    Any nonzero (NaN and Inf included) is stored; rows whose tile overflows go to the dense backup.
+    """
+    _require_little_endian()
+    slots = check_tiling(tile, compression)
+    check_tensor("h", h, dtype=torch.bfloat16, shape=("M", "H"))
+    M, H = h.shape
+    if H == 0 or H > MAX_COLUMNS:
+        raise ValueError(f"h: TwELL needs 1 <= H <= {MAX_COLUMNS} columns (16-bit index), got H={H}")
+    n_tiles = -(-H // tile)
+    hp = torch.zeros(M, n_tiles * tile, dtype=h.dtype, device=h.device)
+    hp[:, :H] = h
+    hp = hp.view(M, n_tiles, tile)
+    nonzero = hp != 0
+    counts = nonzero.sum(-1, dtype=torch.int32)  # [M, n_tiles]
+    # Stable sort puts each tile row's nonzero columns first, in ascending order.
+    order = torch.sort((~nonzero).to(torch.int8), dim=-1, stable=True).indices[..., : slots - 1]
+    vals = torch.gather(hp, -1, order)
+    cols = order.to(torch.int32) + (torch.arange(n_tiles, device=h.device, dtype=torch.int32) * tile)[:, None]
+    valid = torch.arange(slots - 1, device=h.device) < counts[..., None]
+    vals = torch.where(valid, vals, torch.zeros((), dtype=vals.dtype, device=h.device))
+    cols = torch.where(valid, cols, torch.zeros((), dtype=cols.dtype, device=h.device))
+    halves = torch.stack([cols.to(torch.int16), vals.view(torch.int16)], dim=-1)  # (low, high) halves
+    entry_words = halves.view(torch.int32).squeeze(-1)  # [M, n_tiles, S-1]
+    words = torch.cat([counts[..., None], entry_words], dim=-1)
+    packed = words.reshape(M, n_tiles * slots).contiguous().view(torch.uint32)
+
+    tile_overflow = counts > slots - 1
+    rows = tile_overflow.any(-1).nonzero().flatten()
+    return TwELL(
+        packed=packed,
+        overflow_rows=rows,
+        overflow_dense=h[rows].clone(),
+        n_cols=H,
+        tile=tile,
+        compression=compression,
+        n_overflow_tiles=int(tile_overflow.sum()),
+    )
+
+
+def unpack_twell(t: TwELL) -> torch.Tensor:
+    """Dense bf16 [M, H] from a TwELL matrix (same as ``t.unpack()``)."""
+    return t.unpack()
+
+
+def twell_nbytes(M: int, H: int, tile: int = 256, compression: int = 8) -> int:
+    """Bytes of the packed matrix alone (no overflow rows) for an [M, H] activation."""
+    slots = check_tiling(tile, compression)
+    return M * (-(-H // tile)) * slots * 4

@@ -1,0 +1,186 @@
+"""The project's feedforward block: a Llama MLP whose hidden activation can run sparse.
+
+``SparseFFN`` has the parameter names of a transformers Llama MLP (``gate_proj``, ``up_proj``,
+``down_proj``), so checkpoints load in plain transformers. It computes
+
+    gated:      out = down_proj(act(gate_proj(x)) * up_proj(x))
+    non-gated:  out = down_proj(act(up_proj(x)))
+
+and chooses *how* through one interface:
+
+- With autograd recording (training), the dense path runs, or ``train_backend`` when one is set
+  (the hook the training kernels plug into; it receives ``(module, x)`` and returns ``out``).
+- Without autograd (inference), ``path`` decides: ``"dense"`` (plain PyTorch), ``"reference"``
+  (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
+  ``"auto"`` (kernels when available, else the reference, recorded in ``last_path``). Sparse paths
+  need ``activation="relu"``.
+
+``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
+``"twell-reference"`` or ``"twell-kernel"``. With ``track=True`` the forward also records
+``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PATHS = ("auto", "dense", "reference", "kernel")
+ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
+
+
+@dataclass
+class FFNStats:
+    """What one forward saw. ``l1`` stays in the autograd graph; the rest is detached.
+
+    l1:               0-dim fp32, ``|h|`` summed over hidden units, mean over tokens
+    active_per_token: int32 [*x.shape[:-1]], neurons with a nonzero activation per token
+    neuron_active:    bool [H], neurons active for at least one token of this forward
+    """
+
+    l1: torch.Tensor
+    active_per_token: torch.Tensor
+    neuron_active: torch.Tensor
+
+
+class SparseFFN(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        gated: bool = True,
+        activation: str = "relu",
+        bias: bool = False,
+        path: str = "auto",
+        tile: int = 256,
+        compression: int = 8,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gated = gated
+        self.activation = activation
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.tile = tile
+        self.compression = compression
+        self.path = path
+        self.train_backend: Optional[Callable[["SparseFFN", torch.Tensor], torch.Tensor]] = None
+        self.track = False
+        self.stats: Optional[FFNStats] = None
+        self.last_path: Optional[str] = None
+        self.last_info: dict = {}
+        self._w_down_t: Optional[torch.Tensor] = None
+        self._w_down_t_version: Optional[tuple] = None
+
+    # -- configuration ---------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @path.setter
+    def path(self, value: str) -> None:
+        if value not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {value!r}")
+        if value in ("reference", "kernel") and self.activation != "relu":
+            raise ValueError(f"sparse path {value!r} needs activation='relu', this layer uses {self.activation!r}")
+        self._path = value
+
+    @classmethod
+    def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: str = "relu") -> "SparseFFN":
+        """Wrap a transformers ``LlamaMLP`` (shares its Linear modules, no copy)."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(mlp, name, None), nn.Linear):
+                raise TypeError(f"expected a Llama MLP with nn.Linear {name}, got {type(mlp).__name__}")
+        ffn = cls(mlp.up_proj.in_features, mlp.up_proj.out_features, activation=activation,
+                  bias=mlp.up_proj.bias is not None, path="dense")
+        ffn.gate_proj, ffn.up_proj, ffn.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        ffn.path = path
+        return ffn
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gated={self.gated}, "
+                f"activation={self.activation}, path={self.path}")
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            if self.train_backend is not None:
+                self.last_path = "train-backend"
+                return self.train_backend(self, x)
+            return self._dense(x)
+        path = self.path
+        if path == "dense" or self.activation != "relu" or self.track:
+            # Tracking needs the dense hidden state for its statistics.
+            return self._dense(x)
+        if path == "auto":
+            from twell import kernels
+
+            ok, _ = kernels.available(build=False) if x.is_cuda else (False, "input on CPU")
+            path = "kernel" if ok else "reference"
+        return self._sparse(x, use_kernel=(path == "kernel"))
+
+    def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-activation that decides sparsity, hidden activation h) for input x, dense."""
+        act = ACTIVATIONS[self.activation]
+        if self.gated:
+            g = self.gate_proj(x)
+            return g, act(g) * self.up_proj(x)
+        u = self.up_proj(x)
+        return u, act(u)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        pre, h = self.hidden(x)
+        if self.track:
+            active = pre > 0 if self.activation == "relu" else h != 0
+            self.stats = FFNStats(
+                l1=h.float().abs().sum(-1).mean(),
+                active_per_token=active.sum(-1, dtype=torch.int32).detach(),
+                neuron_active=active.reshape(-1, active.shape[-1]).any(0).detach(),
+            )
+        self.last_path = "dense"
+        return self.down_proj(h)
+
+    def w_down_t(self) -> torch.Tensor:
+        """W_down transposed to [H, D] (one contiguous row per neuron), cached until the weight changes."""
+        w = self.down_proj.weight
+        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        if self._w_down_t is None or self._w_down_t_version != key:
+            self._w_down_t = w.detach().t().contiguous()
+            self._w_down_t_version = key
+        return self._w_down_t
+
+    def _sparse(self, x: torch.Tensor, *, use_kernel: bool) -> torch.Tensor:
+        if any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj)):
+            raise ValueError("the sparse TwELL paths support bias-free projections only (Llama MLPs have none)")
+        if use_kernel:
+            from twell import kernels as impl
+
+            ok, why = impl.available()
+            if not ok:
+                raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
+            self.last_path = "twell-kernel"
+        else:
+            from twell import reference as impl
+
+            self.last_path = "twell-reference"
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.gated:
+            gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression)
+            out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t())
+        else:
+            act = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
+            out = impl.twell_ffn(act, self.w_down_t())
+            gate = act
+        self.last_info = {"overflow_rows": gate.n_overflow_rows, "rows": x2.shape[0]}
+        return out.reshape(*shape[:-1], out.shape[-1])

@@ -1,0 +1,70 @@
+"""Pure-PyTorch TwELL inference ops: the contract the CUDA kernels (twell.kernels) meet.
+
+Same names, arguments and return values as the kernels. Each op computes over the active neurons
+only (the pairs stored in TwELL) in float32 and returns bf16; overflow rows take the exact dense
+path. ``w_down_t`` is ``W_down.T`` stored contiguously ([H, D]), one row per neuron, which is also
+the layout the kernels read.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from twell.formats import TwELL, check_tensor, check_tiling, pack_twell
+from twell.reference.coo import coo_sddmm, coo_spmm
+
+
+def check_gate_args(x: torch.Tensor, w_gate: torch.Tensor, tile: int, compression: int) -> None:
+    check_tiling(tile, compression)
+    check_tensor("x", x, dtype=torch.bfloat16, shape=("M", "D"), contiguous=True)
+    check_tensor("w_gate", w_gate, dtype=torch.bfloat16, shape=("H", x.shape[1]), device=x.device, contiguous=True)
+
+
+def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tensor]) -> None:
+    """Shared by the reference and the kernels: x bf16 [M, D]; weights bf16 [H, D]; gate TwELL [M, H]."""
+    if not isinstance(gate, TwELL):
+        raise TypeError(f"gate: expected a twell.formats.TwELL, got {type(gate).__name__}")
+    check_tensor("x", x, dtype=torch.bfloat16, shape=(gate.n_rows, "D"), device=gate.device, contiguous=True)
+    for name, w in weights:
+        check_tensor(name, w, dtype=torch.bfloat16, shape=(gate.n_cols, x.shape[1]), device=x.device, contiguous=True)
+
+
+def twell_gate(x: torch.Tensor, w_gate: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """TwELL of ``relu(x @ w_gate.T)`` (x bf16 [M, D], w_gate bf16 [H, D])."""
+    check_gate_args(x, w_gate, tile, compression)
+    return pack_twell(F.relu(F.linear(x, w_gate)), tile, compression)
+
+
+def twell_gated_ffn(x: torch.Tensor, gate: TwELL, w_up: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``."""
+    check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
+    rows, cols, vals = gate.entries()
+    s = vals.float() * coo_sddmm(rows, cols, x, w_up)
+    out = coo_spmm(rows, cols, s, w_down_t, x.shape[0])
+    if gate.n_overflow_rows:
+        r = gate.overflow_rows
+        h = gate.overflow_dense.float()
+        out[r] = (h * (x[r].float() @ w_up.float().t())) @ w_down_t.float()
+    return out.to(torch.bfloat16)
+
+
+def twell_ffn(act: TwELL, w_down_t: torch.Tensor) -> torch.Tensor:
+    """Non-gated FFN, bf16 [M, D]: ``act @ w_down_t`` where act = TwELL of relu(x @ w_up.T)."""
+    if not isinstance(act, TwELL):
+        raise TypeError(f"act: expected a twell.formats.TwELL, got {type(act).__name__}")
+    check_tensor("w_down_t", w_down_t, dtype=torch.bfloat16, shape=(act.n_cols, "D"), device=act.device, contiguous=True)
+    rows, cols, vals = act.entries()
+    out = coo_spmm(rows, cols, vals, w_down_t, act.n_rows)
+    if act.n_overflow_rows:
+        out[act.overflow_rows] = act.overflow_dense.float() @ w_down_t.float()
+    return out.to(torch.bfloat16)
+
+
+def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256, compression: int = 8) -> torch.Tensor:
+    """The whole sparse gated FFN: TwELL gate, then the fused up/down product."""
+    return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
+
+
+def dense_gated_ffn(x, w_gate, w_up, w_down) -> torch.Tensor:
+    """The dense baseline of BENCHMARK.md (bf16 cuBLAS on GPU): relu(x Wg^T) * (x Wu^T) @ Wd^T."""
+    return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

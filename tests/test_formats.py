@@ -1,0 +1,155 @@
+"""TwELL and hybrid formats: exact round trips, layout, overflow handling, bad inputs."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twell.formats import (
+    HybridCapacityError, HybridStatus, TwELL, pack_hybrid, pack_twell, twell_nbytes, unpack_twell,
+)
+
+TILINGS = [(256, 8), (256, 4), (256, 2), (128, 8), (128, 4), (64, 8), (64, 2)]
+
+
+def sparse_activation(M, H, density, heavy_rows=0, seed=None, gen=None):
+    """Post-ReLU-like bf16 [M, H] with the given density and some fully dense rows."""
+    g = gen or torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    keep = torch.rand(M, H, generator=g) < density
+    h = (torch.rand(M, H, generator=g) * 3 + 1e-3) * keep
+    if heavy_rows and M:
+        rows = torch.randperm(M, generator=g)[:heavy_rows]
+        h[rows] = torch.rand(len(rows), H, generator=g) + 1e-3
+    return h.to(torch.bfloat16)
+
+
+def same(a, b):
+    """Exact equality that treats NaN as equal to NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    M=st.integers(0, 70),
+    H=st.integers(1, 700),
+    tiling=st.sampled_from(TILINGS),
+    density=st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.7, 1.0]),
+    heavy=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_twell_round_trip_is_exact(M, H, tiling, density, heavy, seed):
+    tile, compression = tiling
+    h = sparse_activation(M, H, density, heavy, seed)
+    t = pack_twell(h, tile, compression)
+    t.validate()
+    assert t.packed.dtype == torch.uint32
+    assert t.packed.shape == (M, math.ceil(H / tile) * (tile // compression))
+    assert same(t.unpack(), h) and same(unpack_twell(t), h)
+    # Counts are the true nonzero counts per tile; overflow rows are exactly those exceeding S - 1.
+    hp = torch.zeros(M, t.n_tiles * tile, dtype=h.dtype)
+    hp[:, :H] = h
+    counts = (hp.view(M, t.n_tiles, tile) != 0).sum(-1)
+    assert torch.equal(t.counts(), counts.to(torch.int32))
+    over = (counts > t.slots - 1).any(-1).nonzero().flatten()
+    assert torch.equal(t.overflow_rows, over)
+    assert t.n_overflow_tiles == int((counts > t.slots - 1).sum())
+    assert torch.equal(t.overflow_dense, h[over])
+
+
+def test_twell_word_layout_matches_documentation():
+    h = torch.zeros(2, 300, dtype=torch.bfloat16)
+    h[0, 5], h[0, 3], h[0, 270] = 1.5, 0.25, -2.0
+    t = pack_twell(h, tile=256, compression=8)
+    w = t.packed.view(torch.int32).view(2, 2, 32)
+    bits = lambda v: int(torch.tensor([v], dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF  # noqa: E731
+    # count, then (value << 16 | global column) in ascending column order, unused slots zero
+    assert w[0, 0, 0] == 2
+    assert (int(w[0, 0, 1]) & 0xFFFFFFFF) == (bits(0.25) << 16 | 3)
+    assert (int(w[0, 0, 2]) & 0xFFFFFFFF) == (bits(1.5) << 16 | 5)
+    assert w[0, 0, 3:].eq(0).all()
+    assert w[0, 1, 0] == 1 and (int(w[0, 1, 1]) & 0xFFFFFFFF) == (bits(-2.0) << 16 | 270)
+    assert w[1].eq(0).all()
+    assert twell_nbytes(2, 300) == t.packed.numel() * 4
+
+
+def test_overflow_rows_are_kept_not_dropped():
+    h = sparse_activation(64, 512, 0.02, seed=1)
+    h[[3, 40]] = 1.0  # fully dense rows: 256 nonzeros per tile, far past 31 slots
+    h[7] = 0
+    h[7, 256:256 + 40] = 2.0  # one tile with 40 > 31 nonzeros
+    t = pack_twell(h)
+    assert t.overflow_rows.tolist() == [3, 7, 40]
+    assert t.n_overflow_rows == 3 and t.n_overflow_tiles == 2 + 2 + 1
+    assert torch.equal(t.unpack(), h)
+    # The packed counts of an overflow row still carry the true count, so kernels can detect it.
+    assert t.counts()[7, 1] == 40 and t.counts()[3].tolist() == [256, 256]
+
+
+def test_nan_and_inf_are_nonzeros():
+    h = torch.zeros(3, 70, dtype=torch.bfloat16)
+    h[0, 2], h[1, 69], h[2, 0] = float("nan"), float("inf"), -0.0
+    t = pack_twell(h, tile=64, compression=8)
+    u = t.unpack()
+    assert u[0, 2].isnan() and u[1, 69].isinf() and t.nnz_per_row().tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda: pack_twell(torch.zeros(4, 8)), TypeError, "expected bfloat16"),
+    (lambda: pack_twell(torch.zeros(4, 8, 2, dtype=torch.bfloat16)), ValueError, r"\[M, H\]"),
+    (lambda: pack_twell(torch.zeros(4, 8, dtype=torch.bfloat16), tile=100, compression=8), ValueError, "multiple"),
+    (lambda: pack_twell(torch.zeros(4, 8, dtype=torch.bfloat16), tile=8, compression=8), ValueError, "slot"),
+    (lambda: pack_twell(torch.zeros(4, 70000, dtype=torch.bfloat16)), ValueError, "16-bit"),
+    (lambda: pack_twell([[1.0]]), TypeError, "torch.Tensor"),
+    (lambda: pack_hybrid(torch.zeros(4, 8, dtype=torch.float16)), TypeError, "expected bfloat16"),
+    (lambda: pack_hybrid(torch.zeros(4, 8, dtype=torch.bfloat16), width=0), ValueError, "width"),
+    (lambda: pack_hybrid(torch.zeros(4, 8, dtype=torch.bfloat16), capacity=-1), ValueError, "capacity"),
+])
+def test_bad_inputs_raise_clear_errors(bad, err, match):
+    with pytest.raises(err, match=match):
+        bad()
+
+
+def test_validate_catches_corrupted_packing():
+    h = sparse_activation(8, 256, 0.05, seed=3)
+    h[0, 10] = 1.0
+    t = pack_twell(h)
+    words = t.packed.view(torch.int32).clone()
+    words[0, 1] = words[0, 1] | 0x0400  # column moved past H
+    with pytest.raises(ValueError):
+        TwELL(words.view(torch.uint32), t.overflow_rows, t.overflow_dense, t.n_cols).validate()
+    words = t.packed.view(torch.int32).clone()
+    words[0, 0] = 40  # count says overflow but the row is not listed
+    with pytest.raises(ValueError, match="overflow_rows"):
+        TwELL(words.view(torch.uint32), t.overflow_rows, t.overflow_dense, t.n_cols).validate()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    M=st.integers(0, 60),
+    H=st.integers(1, 400),
+    width=st.sampled_from([1, 8, 32, 128]),
+    density=st.sampled_from([0.0, 0.02, 0.1, 0.5]),
+    heavy=st.integers(0, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_hybrid_round_trip_and_capacity(M, H, width, density, heavy, seed):
+    h = sparse_activation(M, H, density, heavy, seed)
+    n_heavy = int(((h != 0).sum(-1) > width).sum())
+    hy = pack_hybrid(h, width=width, capacity=n_heavy)
+    assert hy.status is HybridStatus.OK and hy.n_heavy == n_heavy
+    assert torch.equal(hy.unpack(), h)
+    assert hy.values.shape == (M, width) and hy.cols.dtype == torch.int32
+    if n_heavy:
+        full = pack_hybrid(h, width=width, capacity=n_heavy - 1)
+        assert full.status is HybridStatus.BACKUP_FULL and full.n_heavy == n_heavy
+        with pytest.raises(HybridCapacityError, match=f"capacity={n_heavy}"):
+            full.unpack()
+
+
+def test_hybrid_default_capacity_is_an_eighth_of_the_rows():
+    h = sparse_activation(100, 300, 0.01, seed=5)
+    assert pack_hybrid(h).capacity == 13
+    h[:20] = 1.0
+    hy = pack_hybrid(h, width=128)
+    assert hy.status is HybridStatus.BACKUP_FULL and hy.n_heavy == 20

@@ -1,0 +1,181 @@
+"""Reference ops against the dense computation (fp32), with the tolerance rule of STYLE.md:
+the sparse op's error must stay within a small multiple of dense bf16 PyTorch's error."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twell.formats import HybridCapacityError, pack_twell
+from twell.nn import SparseFFN
+from twell.reference import (
+    dense_gated_ffn, hybrid_gated_ffn, sparse_gated_ffn, twell_ffn, twell_gate, twell_gated_ffn,
+)
+
+
+def ffn_inputs(M, D, H, offset, seed, heavy_rows=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=g)
+    x[:, 0] = 1
+    if heavy_rows and M:
+        x[:heavy_rows, 1:] *= 6  # large rows cross the offset in many columns: heavy tail, overflow
+    w_gate = torch.randn(H, D, generator=g) / D**0.5
+    w_gate[:, 0] = -offset
+    w_up = torch.randn(H, D, generator=g) / D**0.5
+    w_down = torch.randn(D, H, generator=g) / H**0.5
+    return [t.to(torch.bfloat16) for t in (x, w_gate, w_up, w_down)]
+
+
+def rel_err(a, ref):
+    return ((a.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def fp32_gated(x, wg, wu, wd):
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    return ((F.relu(x @ wg.t()) * (x @ wu.t())) @ wd.t()).float()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    M=st.integers(1, 90), D=st.sampled_from([8, 64, 96]), H=st.integers(5, 600),
+    offset=st.sampled_from([0.0, 1.5, 2.5]), heavy=st.integers(0, 3),
+    tiling=st.sampled_from([(256, 8), (128, 4), (64, 2)]), seed=st.integers(0, 2**31 - 1),
+)
+def test_gated_ffn_matches_dense(M, D, H, offset, heavy, tiling, seed):
+    x, wg, wu, wd = ffn_inputs(M, D, H, offset, seed, heavy)
+    ref = fp32_gated(x, wg, wu, wd)
+    if ref.norm() == 0:
+        return
+    gate = twell_gate(x, wg, *tiling)
+    assert torch.equal(gate.unpack(), F.relu(F.linear(x, wg)))
+    out = twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    assert out.dtype == torch.bfloat16 and out.shape == (M, D)
+    dense_err = rel_err(dense_gated_ffn(x, wg, wu, wd), ref)
+    assert rel_err(out, ref) <= 2 * dense_err + 1e-3
+
+
+def test_gated_ffn_overflow_rows_are_exact():
+    x, wg, wu, wd = ffn_inputs(64, 64, 512, 1.5, seed=11, heavy_rows=5)
+    gate = twell_gate(x, wg)
+    assert gate.n_overflow_rows >= 5  # the heavy rows overflow their tiles
+    out = twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    ref = fp32_gated(x, wg, wu, wd)
+    assert rel_err(out, ref) <= 2 * rel_err(dense_gated_ffn(x, wg, wu, wd), ref) + 1e-3
+
+
+def test_non_gated_ffn_matches_dense():
+    x, _, wu, wd = ffn_inputs(50, 64, 300, 1.0, seed=2, heavy_rows=2)
+    act = twell_gate(x, wu, 64, 4)
+    out = twell_ffn(act, wd.t().contiguous())
+    ref = (F.relu(x.double() @ wu.double().t()) @ wd.double().t()).float()
+    dense = F.linear(F.relu(F.linear(x, wu)), wd)
+    assert rel_err(out, ref) <= 2 * rel_err(dense, ref) + 1e-3
+
+
+def test_sparse_gated_ffn_composes_gate_and_ffn():
+    x, wg, wu, wd = ffn_inputs(33, 64, 260, 1.5, seed=4)
+    wdt = wd.t().contiguous()
+    assert torch.equal(sparse_gated_ffn(x, wg, wu, wdt, 128, 4), twell_gated_ffn(x, twell_gate(x, wg, 128, 4), wu, wdt))
+
+
+def test_nan_in_activation_propagates():
+    x, wg, wu, wd = ffn_inputs(4, 64, 100, 1.0, seed=5)
+    x[2, 3] = float("nan")
+    out = sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
+    assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+
+
+@pytest.mark.parametrize("case, err, match", [
+    ("x_dtype", TypeError, "x: expected bfloat16"),
+    ("w_shape", ValueError, "w_up: expected"),
+    ("gate_rows", ValueError, "x: expected"),
+    ("noncontig", ValueError, "contiguous"),
+    ("gate_type", TypeError, "TwELL"),
+])
+def test_bad_ffn_inputs_raise(case, err, match):
+    x, wg, wu, wd = ffn_inputs(8, 64, 100, 1.0, seed=6)
+    gate, wdt = twell_gate(x, wg), wd.t().contiguous()
+    args = {"x": x, "gate": gate, "w_up": wu, "w_down_t": wdt}
+    if case == "x_dtype":
+        args["x"] = x.float()
+    elif case == "w_shape":
+        args["w_up"] = wu[:, :32].contiguous()
+    elif case == "gate_rows":
+        args["x"] = x[:5].contiguous()
+    elif case == "noncontig":
+        args["w_down_t"] = wd.t()
+    elif case == "gate_type":
+        args["gate"] = gate.unpack()
+    with pytest.raises(err, match=match):
+        twell_gated_ffn(**args)
+
+
+def test_hybrid_gated_ffn_forward_and_backward_match_dense_autograd():
+    x, wg, wu, wd = ffn_inputs(45, 64, 300, 1.5, seed=7, heavy_rows=3)
+    wdt = wd.t().contiguous()
+    ref_leaves = [t.double().requires_grad_() for t in (x, wg, wu, wdt)]
+    xs, wgs, wus, wds = ref_leaves
+    h = F.relu(xs @ wgs.t()) * (xs @ wus.t())
+    out_ref, l1_ref = h @ wds, h.abs().sum(-1).mean()
+    grad_out = torch.randn(out_ref.shape, dtype=torch.float64)
+    ((out_ref * grad_out).sum() + 0.3 * l1_ref).backward()
+
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wdt)]
+    out, l1 = hybrid_gated_ffn(*leaves, width=32, capacity=10)
+    ((out.float() * grad_out.float()).sum() + 0.3 * l1).backward()
+
+    bf16_leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wdt)]
+    hb = F.relu(bf16_leaves[0] @ bf16_leaves[1].t()) * (bf16_leaves[0] @ bf16_leaves[2].t())
+    ((hb @ bf16_leaves[3]).float() * grad_out.float()).sum().add(0.3 * hb.float().abs().sum(-1).mean()).backward()
+
+    assert rel_err(out, out_ref.float()) <= 2 * rel_err(hb @ bf16_leaves[3], out_ref.float()) + 1e-3
+    assert abs(l1.item() - l1_ref.item()) <= 1e-2 * l1_ref.item()
+    for mine, bf16, ref in zip(leaves, bf16_leaves, ref_leaves):
+        assert rel_err(mine.grad, ref.grad.float()) <= 2 * rel_err(bf16.grad, ref.grad.float()) + 1e-3
+
+
+def test_hybrid_gated_ffn_refuses_a_full_backup():
+    x, wg, wu, wd = ffn_inputs(40, 64, 300, 1.5, seed=8, heavy_rows=6)
+    with pytest.raises(HybridCapacityError, match="grow it"):
+        hybrid_gated_ffn(x, wg, wu, wd.t().contiguous(), width=8, capacity=1)
+
+
+def test_module_paths_agree_and_report_themselves():
+    torch.manual_seed(0)
+    ffn = SparseFFN(64, 300).to(torch.bfloat16)
+    with torch.no_grad():
+        ffn.gate_proj.weight[:, 0] = -1.0
+    x = torch.randn(3, 7, 64).to(torch.bfloat16)
+    x[..., 0] = 1
+    with torch.no_grad():
+        ffn.path = "dense"
+        dense = ffn(x)
+        assert ffn.last_path == "dense"
+        ffn.path = "reference"
+        ref = ffn(x)
+        assert ffn.last_path == "twell-reference"
+        ffn.path = "auto"
+        auto = ffn(x)
+        assert ffn.last_path == "twell-reference"  # CPU input: the kernels are never used
+    assert torch.equal(ref, auto)
+    assert rel_err(ref, dense.float()) < 1e-2
+    with pytest.raises(ValueError, match="path must be one of"):
+        ffn.path = "fast"
+    silu = SparseFFN(64, 100, activation="silu")
+    with pytest.raises(ValueError, match="needs activation='relu'"):
+        silu.path = "reference"
+
+
+def test_module_from_llama_mlp_shares_weights():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=200, hidden_act="relu")
+    mlp = LlamaMLP(cfg)
+    ffn = SparseFFN.from_llama_mlp(mlp, path="reference")
+    assert ffn.up_proj is mlp.up_proj and ffn.gate_proj is mlp.gate_proj
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ffn._dense(x), mlp(x))
+    with pytest.raises(TypeError, match="Llama MLP"):
+        SparseFFN.from_llama_mlp(torch.nn.Linear(3, 3))
