@@ -153,3 +153,30 @@ def test_hybrid_default_capacity_is_an_eighth_of_the_rows():
     h[:20] = 1.0
     hy = pack_hybrid(h, width=128)
     assert hy.status is HybridStatus.BACKUP_FULL and hy.n_heavy == 20
+
+
+def _bf16_bits(v):
+    return int(torch.tensor([v], dtype=torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+def test_spilled_tiles_are_decoded_exactly():
+    """A kernel-written TwELL may move an overflowing tile row to the spill area (count word
+    0x80000000 | offset); such rows are exact without a dense backup."""
+    h = torch.zeros(3, 300, dtype=torch.bfloat16)
+    h[0, :40] = torch.arange(1, 41).to(torch.bfloat16)
+    h[1, 260], h[2, :5] = 3, 1
+    words = pack_twell(h).packed.view(torch.int32).clone().view(3, 2, 32)
+    spill = torch.zeros(100, dtype=torch.int64)
+    spill[7] = 40
+    spill[8:48] = torch.tensor([(_bf16_bits(c + 1.0) << 16) | c for c in reversed(range(40))])  # any order
+    words[0, 0, 0] = torch.tensor(0x80000000 | 7).to(torch.int32)
+    spill = torch.where(spill >= 2**31, spill - 2**32, spill).to(torch.int32).view(torch.uint32)
+    t = TwELL(words.view(3, 64).view(torch.uint32), None, None, 300, spill=spill)
+    t.validate()
+    assert t.overflow_rows.tolist() == [] and t.n_spilled_tiles == 1 and t.n_overflow_tiles == 1
+    assert t.counts().tolist() == [[40, 0], [0, 1], [5, 0]]
+    assert torch.equal(t.unpack(), h)
+    bad = words.clone()
+    bad[0, 0, 0] = torch.tensor(0x80000000 | 99).to(torch.int32)
+    with pytest.raises(ValueError, match="spill"):
+        TwELL(bad.view(3, 64).view(torch.uint32), None, None, 300, spill=spill).validate()

@@ -22,6 +22,11 @@ Layout (the contract every producer and consumer in this repository follows)
   is never dropped: it is listed in ``overflow_rows`` (int64, ascending) and its exact values are kept
   in ``overflow_dense`` ([R, H] bf16). Its packed words still hold the true counts (so a kernel can
   recognise it) and the first S - 1 entries of each tile. Consumers use the dense copy for these rows.
+- Spill (written by the gate kernel only): an overflowing tile row may instead move its entries to a
+  ``spill`` area of uint32 words. Its count word is then ``0x80000000 | offset``, ``spill[offset]``
+  is the true count and ``spill[offset + 1 : offset + 1 + count]`` its entries. A spilled tile is
+  stored exactly, so its row needs no dense backup; ``overflow_rows`` lists only rows with an
+  overflowing tile that is not spilled.
 
 ``unpack()`` reproduces ``h`` exactly (up to the sign of zeros).
 """
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from twell.formats.checks import check_tensor, check_tiling
 
@@ -45,15 +52,63 @@ def _require_little_endian() -> None:
 
 @dataclass
 class TwELL:
-    """A packed TwELL matrix plus the dense backup of its overflow rows (see module docstring)."""
+    """A packed TwELL matrix plus the dense backup of its overflow rows (see module docstring).
+
+    ``pack_twell`` fills the overflow fields eagerly. A TwELL written by the gate kernel carries
+    ``source = (x, w)`` instead (the activation is ``relu(x @ w.T)``): the overflow rows are then
+    found from the counts and their dense values recomputed only when someone asks for them, so
+    the kernel path never synchronises with the host.
+    """
 
     packed: torch.Tensor  # uint32 [M, n_tiles * S]
-    overflow_rows: torch.Tensor  # int64 [R], ascending
-    overflow_dense: torch.Tensor  # bf16 [R, H]
+    overflow_rows_: Optional[torch.Tensor]  # int64 [R], ascending (None: derive from counts)
+    overflow_dense_: Optional[torch.Tensor]  # bf16 [R, H] (None: recompute from source)
     n_cols: int
     tile: int = 256
     compression: int = 8
-    n_overflow_tiles: int = 0
+    n_overflow_tiles_: Optional[int] = None
+    source: Optional[tuple] = None  # (x [M, D], w [H, D]) with h = relu(x @ w.T)
+    spill: Optional[torch.Tensor] = None  # uint32 [cap + 1] spill area of the gate kernel
+
+    SPILL_BIT = 0x80000000
+
+    def _raw_counts(self) -> torch.Tensor:
+        """int64 [M, n_tiles]: the count words as unsigned values."""
+        return self.words()[..., 0].to(torch.int64) & 0xFFFFFFFF
+
+    def spilled(self) -> torch.Tensor:
+        """bool [M, n_tiles]: tile rows whose entries live in the spill area."""
+        raw = self._raw_counts()
+        if self.spill is None:
+            return torch.zeros_like(raw, dtype=torch.bool)
+        return (raw & self.SPILL_BIT) != 0
+
+    @property
+    def n_spilled_tiles(self) -> int:
+        return int(self.spilled().sum())
+
+    @property
+    def overflow_rows(self) -> torch.Tensor:
+        if self.overflow_rows_ is None:
+            unstored = (self._raw_counts() > self.slots - 1) & ~self.spilled()
+            self.overflow_rows_ = unstored.any(-1).nonzero().flatten()
+        return self.overflow_rows_
+
+    @property
+    def overflow_dense(self) -> torch.Tensor:
+        if self.overflow_dense_ is None:
+            if self.source is None:
+                raise ValueError("TwELL has neither a dense backup nor a source to recompute overflow rows")
+            x, w = self.source
+            self.overflow_dense_ = F.relu(F.linear(x[self.overflow_rows], w))
+        return self.overflow_dense_
+
+    @property
+    def n_overflow_tiles(self) -> int:
+        """Tile rows with more nonzeros than slots (spilled or not)."""
+        if self.n_overflow_tiles_ is None:
+            self.n_overflow_tiles_ = int((self.counts() > self.slots - 1).sum())
+        return self.n_overflow_tiles_
 
     # -- geometry --------------------------------------------------------------------------------
     @property
@@ -83,11 +138,17 @@ class TwELL:
     # -- queries ---------------------------------------------------------------------------------
     def counts(self) -> torch.Tensor:
         """int32 [M, n_tiles]: true nonzero count of each tile row."""
-        return self.words()[..., 0].clone()
+        raw = self._raw_counts()
+        spilled = self.spilled()
+        if spilled.any():
+            offsets = raw[spilled] & ~self.SPILL_BIT
+            raw = raw.clone()
+            raw[spilled] = self.spill.view(torch.int32)[offsets].to(torch.int64)
+        return raw.to(torch.int32)
 
     def nnz_per_row(self) -> torch.Tensor:
         """int32 [M]: nonzeros per row."""
-        return self.words()[..., 0].sum(-1, dtype=torch.int32)
+        return self.counts().sum(-1, dtype=torch.int32)
 
     def overflow_mask(self) -> torch.Tensor:
         """bool [M]: rows stored in the dense backup."""
@@ -106,12 +167,26 @@ class TwELL:
 
     def _entries(self):
         w = self.words()
+        raw = self._raw_counts()
+        spilled = self.spilled()
+        keep = ~self.overflow_mask()[:, None]
         slot = torch.arange(1, self.slots, device=self.device)
-        valid = slot < (w[..., :1] + 1)  # entry k (1-based slot) is valid when k <= count
-        valid &= ~self.overflow_mask()[:, None, None]
+        # entry k (1-based slot) of an in-slot tile row is valid when k <= count
+        valid = (slot <= raw[..., None]) & (keep & ~spilled)[..., None]
         m, t, k = valid.nonzero(as_tuple=True)
         word = w[m, t, k + 1]
-        halves = word.view(torch.int16).view(-1, 2)  # little-endian: [low = column, high = value]
+        if spilled.any():
+            ms, ts = (spilled & keep).nonzero(as_tuple=True)
+            offsets = raw[ms, ts] & ~self.SPILL_BIT
+            spill = self.spill.view(torch.int32)
+            counts = spill[offsets].to(torch.int64)
+            starts = torch.repeat_interleave(offsets + 1, counts)
+            within = torch.arange(int(counts.sum()), device=self.device) - torch.repeat_interleave(
+                torch.cumsum(counts, 0) - counts, counts)
+            m = torch.cat([m, torch.repeat_interleave(ms, counts)])
+            t = torch.cat([t, torch.repeat_interleave(ts, counts)])
+            word = torch.cat([word, spill[starts + within]])
+        halves = word.contiguous().view(torch.int16).view(-1, 2)  # little-endian: [low = column, high = value]
         cols = halves[:, 0].to(torch.int64) & 0xFFFF
         vals = halves[:, 1].contiguous().view(torch.bfloat16)
         return m, t, cols, vals
@@ -127,11 +202,16 @@ class TwELL:
 
     def validate(self) -> None:
         """Check internal consistency (useful on kernel output); raise ValueError on the first problem."""
-        w = self.words()
-        cnt = w[..., 0]
+        raw = self._raw_counts()
+        spilled = self.spilled()
+        if spilled.any():
+            offsets = raw[spilled] & ~self.SPILL_BIT
+            if int(offsets.max()) >= self.spill.numel() - 1:
+                raise ValueError("TwELL spill offset past the spill area")
+        cnt = self.counts()
         if (cnt < 0).any() or (cnt > self.tile).any():
             raise ValueError(f"TwELL counts outside [0, {self.tile}]")
-        over = (cnt > self.slots - 1).any(-1)
+        over = ((cnt > self.slots - 1) & ~spilled).any(-1)
         listed = self.overflow_mask()
         if not torch.equal(over, listed):
             bad = (over != listed).nonzero().flatten()[:5].tolist()
@@ -179,12 +259,12 @@ def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
     rows = tile_overflow.any(-1).nonzero().flatten()
     return TwELL(
         packed=packed,
-        overflow_rows=rows,
-        overflow_dense=h[rows].clone(),
+        overflow_rows_=rows,
+        overflow_dense_=h[rows].clone(),
         n_cols=H,
         tile=tile,
         compression=compression,
-        n_overflow_tiles=int(tile_overflow.sum()),
+        n_overflow_tiles_=int(tile_overflow.sum()),
     )
 
 

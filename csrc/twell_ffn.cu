@@ -1,0 +1,434 @@
+// Fused sparse up/down projection from a TwELL activation (inference).
+//
+//   gated:      out[m] = sum over active n of h[m,n] * (x[m] . w_up[n]) * w_down_t[n]
+//   non-gated:  out[m] = sum over active n of h[m,n] * w_down_t[n]
+//
+// v2. The cost is moving two 4 KB weight rows (w_up[n], w_down_t[n]) from L2 per active neuron
+// and token; v1 (one pair in flight per warp, registers only) was latency-bound at ~2.9 TB/s.
+// Here each warp keeps K pairs in flight: lane 0 copies the rows of upcoming neurons into a
+// K-stage shared-memory ring with cp.async.bulk (one instruction per row, completion on an
+// mbarrier) while the warp computes on the current stage. x of the row sits in registers (bf16),
+// the output accumulates in fp32 registers, the hidden state never reaches memory.
+//
+// Rows are split by work: a "light" row (at most LIST_CAP active neurons, no unresolved overflow)
+// is done by one warp (light kernel); heavier rows are queued on the device and done by a whole
+// CTA each (heavy kernel: the CTA's warps take the row's tiles round-robin and reduce their partial
+// outputs through shared memory), so a row with a thousand active neurons does not hold one warp
+// for milliseconds. Both launches are fixed-size (no host synchronisation: CUDA graphs work).
+//
+// Entries come from the TwELL slots, or from the gate kernel's spill area for overflowing tiles
+// (count word 0x80000000 | offset -> spill[offset] = count, then entries). A tile whose count
+// exceeds its slots without a spill copy is recomputed here from x and w_act (the weight whose
+// ReLU made the TwELL), neuron by neuron: exact for any pattern. Without w_act such rows are left
+// to the caller (who has their dense copy).
+#include "common.cuh"
+#include "twell_kernels.h"
+
+namespace twell {
+namespace ffn {
+
+constexpr int WARPS = 8;          // warps per CTA (both kernels)
+constexpr int K = 3;              // pairs in flight per warp
+constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
+constexpr int LIST_CAP = 256;     // entries per warp list; rows with more are heavy
+constexpr uint32_t SPILL_BIT = 0x80000000u;
+
+struct Params {
+  const __nv_bfloat16* x;
+  const uint32_t* tw;
+  const uint32_t* spill;          // may be null
+  const __nv_bfloat16* w_act;     // may be null
+  const __nv_bfloat16* w_up;      // null for non-gated
+  const __nv_bfloat16* w_down_t;
+  __nv_bfloat16* out;
+  uint32_t* heavy;                // heavy[0] = count (zeroed before the light kernel), heavy[1..] = rows
+  int M, D, H, n_tiles, T, S;
+};
+
+struct Smem {
+  alignas(128) uint8_t ring[WARPS][K][STAGE];
+  uint32_t list[WARPS][LIST_CAP];
+  uint64_t bar[WARPS][K];
+  uint64_t twbar[WARPS];
+};
+constexpr int SMEM_BYTES = sizeof(Smem) + 128;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Per-warp pipeline state: a monotonic count of issued and consumed stages.
+struct Ring {
+  uint8_t* buf;
+  uint64_t* bar;
+  uint32_t issued, consumed;
+};
+
+__device__ __forceinline__ void ring_issue(Ring& r, const Params& p, uint32_t entry, bool gated) {
+  const int s = r.issued % K;
+  const uint32_t bytes = uint32_t(p.D) * 2;
+  const uint32_t n = entry & 0xFFFFu;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // earlier generic reads of this stage
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(smem_u32(&r.bar[s])), "r"(gated ? 2 * bytes : bytes) : "memory");
+  if (gated)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(r.buf + s * STAGE)), "l"(p.w_up + size_t(n) * p.D), "r"(bytes), "r"(smem_u32(&r.bar[s]))
+                 : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(r.buf + s * STAGE + (gated ? bytes : 0))), "l"(p.w_down_t + size_t(n) * p.D),
+               "r"(bytes), "r"(smem_u32(&r.bar[s]))
+               : "memory");
+  ++r.issued;
+}
+
+__device__ __forceinline__ const uint8_t* ring_wait(Ring& r) {
+  const int s = r.consumed % K;
+  const uint32_t parity = (r.consumed / K) & 1;
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(&r.bar[s])), "r"(parity) : "memory");
+  }
+  ++r.consumed;
+  return r.buf + s * STAGE;
+}
+
+// Lane's share of a row: CH chunks of 8 bf16; chunk c covers columns 8*(32*c + lane) + [0, 8).
+template <int CH>
+struct Row {
+  uint4 v[CH];
+};
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  float s = bf16lo(a.x) * bf16lo(b.x);
+  s = fmaf(bf16hi(a.x), bf16hi(b.x), s);
+  s = fmaf(bf16lo(a.y), bf16lo(b.y), s);
+  s = fmaf(bf16hi(a.y), bf16hi(b.y), s);
+  s = fmaf(bf16lo(a.z), bf16lo(b.z), s);
+  s = fmaf(bf16hi(a.z), bf16hi(b.z), s);
+  s = fmaf(bf16lo(a.w), bf16lo(b.w), s);
+  s = fmaf(bf16hi(a.w), bf16hi(b.w), s);
+  return s;
+}
+
+template <int CH>
+__device__ __forceinline__ void load_row_global(Row<CH>& r, const __nv_bfloat16* row, int lane, int D) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = 8 * (32 * c + lane);
+    r.v[c] = col < D ? ldg_nc(row + col) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int CH>
+__device__ __forceinline__ float dot_smem(const Row<CH>& x, const uint8_t* w, int lane, int D) {
+  float s = 0.f;
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = 8 * (32 * c + lane);
+    if (col < D) s += dot8(x.v[c], *reinterpret_cast<const uint4*>(w + 2 * col));
+  }
+  return warp_sum(s);
+}
+
+template <int CH>
+__device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = fmaf(s, bf16lo(u[j]), acc[2 * j]);
+    acc[2 * j + 1] = fmaf(s, bf16hi(u[j]), acc[2 * j + 1]);
+  }
+}
+
+template <int CH>
+__device__ __forceinline__ void axpy_smem(float (&acc)[CH * 8], float s, const uint8_t* w, int lane, int D) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = 8 * (32 * c + lane);
+    if (col < D) axpy8<CH>(acc + 8 * c, s, *reinterpret_cast<const uint4*>(w + 2 * col));
+  }
+}
+
+// out += contributions of list[0..n) (TwELL entries) through the warp's ring.
+template <int CH, bool GATED>
+__device__ void run_list(float (&acc)[CH * 8], const Row<CH>& x, const uint32_t* list, int n, Ring& r,
+                         const Params& p, int lane) {
+  if (lane == 0)
+    for (int e = 0; e < n && e < K; ++e) ring_issue(r, p, list[e], GATED);
+  for (int e = 0; e < n; ++e) {
+    const uint8_t* stage = ring_wait(r);
+    const uint32_t entry = list[e];
+    float s = entry_value(entry);
+    if (GATED) s *= dot_smem<CH>(x, stage, lane, p.D);
+    axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane, p.D);
+    __syncwarp();
+    if (lane == 0 && e + K < n) ring_issue(r, p, list[e + K], GATED);
+  }
+}
+
+// Exact recompute of one overflowing tile without a spill copy: every neuron of the tile.
+template <int CH, bool GATED>
+__device__ void recompute_tile(float (&acc)[CH * 8], const Row<CH>& x, int t, const Params& p, int lane) {
+  const int n_end = min(p.H, (t + 1) * p.T);
+  for (int n = t * p.T; n < n_end; ++n) {
+    Row<CH> wa;
+    load_row_global(wa, p.w_act + size_t(n) * p.D, lane, p.D);
+    float g = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) g += dot8(x.v[c], wa.v[c]);
+    const __nv_bfloat16 hb = relu_bf16(warp_sum(g));
+    if (__bfloat16_as_ushort(hb) == 0) continue;
+    float s = __bfloat162float(hb);
+    Row<CH> w;
+    if (GATED) {
+      load_row_global(w, p.w_up + size_t(n) * p.D, lane, p.D);
+      float u = 0.f;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) u += dot8(x.v[c], w.v[c]);
+      s *= warp_sum(u);
+    }
+    load_row_global(w, p.w_down_t + size_t(n) * p.D, lane, p.D);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) axpy8<CH>(acc + 8 * c, s, w.v[c]);
+  }
+}
+
+// Count word of (row, tile) resolved: true count, where its entries are, and whether they exist.
+struct TileInfo {
+  uint32_t count;
+  const uint32_t* entries;  // first entry
+  bool stored;              // false: overflow without spill copy (recompute)
+};
+
+__device__ __forceinline__ TileInfo tile_info(const Params& p, int row, int t) {
+  const uint32_t* seg = p.tw + (size_t(row) * p.n_tiles + t) * p.S;
+  const uint32_t w = __ldg(seg);
+  if ((w & SPILL_BIT) && p.spill != nullptr) {
+    const uint32_t* sp = p.spill + (w & ~SPILL_BIT);
+    return {__ldg(sp), sp + 1, true};
+  }
+  return {w, seg + 1, w <= uint32_t(p.S - 1)};
+}
+
+// Build a light row's entry list in shared memory from its TwELL words, which the caller has
+// bulk-copied to `words` (n_tiles * S words). Lane t handles tiles t, t + 32, ... Returns the
+// number of entries, or -1 if the row is heavy: more than LIST_CAP entries, or a tile that
+// overflowed without a spill copy (both go to the heavy kernel).
+__device__ int compact_row(uint32_t* list, const uint32_t* words, const Params& p, int lane) {
+  int n = 0;
+  for (int tb = 0; tb < p.n_tiles; tb += 32) {
+    const int t = tb + lane;
+    uint32_t cnt = 0;
+    const uint32_t* src = nullptr;
+    bool stored = true;
+    if (t < p.n_tiles) {
+      const uint32_t w = words[t * p.S];
+      if ((w & SPILL_BIT) && p.spill != nullptr) {
+        src = p.spill + (w & ~SPILL_BIT);
+        cnt = __ldg(src);
+        ++src;
+      } else if (w <= uint32_t(p.S - 1)) {
+        cnt = w;
+        src = words + t * p.S + 1;
+      } else {
+        stored = false;
+      }
+    }
+    if (__any_sync(0xffffffffu, !stored)) return -1;
+    uint32_t incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    const int total = int(__shfl_sync(0xffffffffu, incl, 31));
+    if (n + total > LIST_CAP) return -1;
+    uint32_t* dst = list + n + (incl - cnt);
+    for (uint32_t j = 0; j < cnt; ++j) dst[j] = src[j];  // shared memory, or the (rare) spill area
+    n += total;
+  }
+  __syncwarp();
+  return n;
+}
+
+template <int CH>
+__device__ __forceinline__ void store_row(const float (&acc)[CH * 8], __nv_bfloat16* o, int lane, int D) {
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = 8 * (32 * c + lane);
+    if (col < D) {
+      uint4 v;
+      uint32_t* u = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        __nv_bfloat162 b = __floats2bfloat162_rn(acc[8 * c + 2 * j], acc[8 * c + 2 * j + 1]);
+        u[j] = *reinterpret_cast<uint32_t*>(&b);
+      }
+      *reinterpret_cast<uint4*>(o + col) = v;
+    }
+  }
+}
+
+__device__ __forceinline__ Smem& smem_ref() {
+  extern __shared__ uint8_t raw[];
+  return *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 127) & ~uintptr_t(127));
+}
+
+__device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
+  if (lane == 0) {
+    for (int s = 0; s < K; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&sm.bar[warp][s])));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&sm.twbar[warp])));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncwarp();
+  return Ring{sm.ring[warp][0], sm.bar[warp], 0, 0};
+}
+
+// Light kernel: one warp per row; heavy rows are queued for the heavy kernel.
+template <int CH, bool GATED>
+__global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
+  Smem& sm = smem_ref();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  Ring ring = init_ring(sm, warp, lane);
+  uint32_t* list = sm.list[warp];
+  uint64_t* twbar = &sm.twbar[warp];
+  uint32_t tw_phase = 0;
+  const uint32_t row_bytes = uint32_t(p.n_tiles * p.S) * 4;
+  const bool fits = row_bytes <= uint32_t(K * STAGE);  // else every row takes the heavy path
+  for (int row = blockIdx.x * WARPS + warp; row < p.M; row += gridDim.x * WARPS) {
+    if (!fits) {
+      if (lane == 0) p.heavy[1 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+      continue;
+    }
+    // The ring is drained here: borrow it for the row's TwELL words (one bulk copy).
+    if (lane == 0) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(twbar)), "r"(row_bytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(smem_u32(ring.buf)), "l"(p.tw + size_t(row) * p.n_tiles * p.S), "r"(row_bytes),
+                   "r"(smem_u32(twbar))
+                   : "memory");
+    }
+    Row<CH> x;
+    load_row_global(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
+    uint32_t done = 0;
+    while (!done) {
+      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
+                   : "=r"(done) : "r"(smem_u32(twbar)), "r"(tw_phase) : "memory");
+    }
+    tw_phase ^= 1;
+    const int n = compact_row(list, reinterpret_cast<const uint32_t*>(ring.buf), p, lane);
+    if (n < 0) {
+      if (lane == 0) p.heavy[1 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+      continue;
+    }
+    float acc[CH * 8];
+#pragma unroll
+    for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
+    run_list<CH, GATED>(acc, x, list, n, ring, p, lane);
+    store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
+  }
+}
+
+// Heavy kernel: one CTA per queued row; warp w takes tiles w, w + WARPS, ... in LIST_CAP batches.
+template <int CH, bool GATED>
+__global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
+  Smem& sm = smem_ref();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  Ring ring = init_ring(sm, warp, lane);
+  uint32_t* list = sm.list[warp];
+  const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
+  for (uint32_t h = blockIdx.x; h < n_heavy; h += gridDim.x) {
+    const int row = int(p.heavy[1 + h]);
+    Row<CH> x;
+    load_row_global(x, p.x + size_t(row) * p.D, lane, p.D);
+    float acc[CH * 8];
+#pragma unroll
+    for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
+    bool complete = true;
+    for (int t = warp; t < p.n_tiles; t += WARPS) {
+      const TileInfo ti = tile_info(p, row, t);
+      if (!ti.stored) {
+        if (p.w_act != nullptr) recompute_tile<CH, GATED>(acc, x, t, p, lane);
+        else complete = false;
+        continue;
+      }
+      for (uint32_t b = 0; b < ti.count; b += LIST_CAP) {
+        const int n = int(min(uint32_t(LIST_CAP), ti.count - b));
+        for (int j = lane; j < n; j += 32) list[j] = __ldg(ti.entries + b + j);
+        __syncwarp();
+        run_list<CH, GATED>(acc, x, list, n, ring, p, lane);
+        __syncwarp();
+      }
+    }
+    // Reduce the warps' partial rows through the (now idle) rings: warp w writes its fp32 slice.
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(&sm.ring[0][0][0]);  // WARPS * D floats <= 64 KB
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int col = 8 * (32 * c + lane);
+      if (col < p.D)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) red[warp * p.D + col + j] = acc[8 * c + j];
+    }
+    const int any_incomplete = __syncthreads_or(!complete);
+    for (int col = threadIdx.x; col < p.D && !any_incomplete; col += blockDim.x) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) s += red[w * p.D + col];
+      p.out[size_t(row) * p.D + col] = __float2bfloat16_rn(s);
+    }
+    __syncthreads();
+  }
+}
+
+template <int CH>
+cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
+  const bool gated = p.w_up != nullptr;
+  auto light = gated ? light_kernel<CH, true> : light_kernel<CH, false>;
+  auto heavy = gated ? heavy_kernel<CH, true> : heavy_kernel<CH, false>;
+  cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  int sms = 0;
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  const int rows_per_wave = sms * WARPS;
+  const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
+  light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace ffn
+
+cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
+                             const void* w_up, const void* w_down_t, void* out, uint32_t* heavy_queue, int M, int D,
+                             int H, int tile, int S, int device, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
+  ffn::Params p{static_cast<const __nv_bfloat16*>(x),
+                tw,
+                spill,
+                static_cast<const __nv_bfloat16*>(w_act),
+                static_cast<const __nv_bfloat16*>(w_up),
+                static_cast<const __nv_bfloat16*>(w_down_t),
+                static_cast<__nv_bfloat16*>(out),
+                heavy_queue,
+                M,
+                D,
+                H,
+                (H + tile - 1) / tile,
+                tile,
+                S};
+  const int ch = (D + 255) / 256;
+  if (ch <= 1) return ffn::launch_ch<1>(p, device, stream);
+  if (ch <= 2) return ffn::launch_ch<2>(p, device, stream);
+  if (ch <= 4) return ffn::launch_ch<4>(p, device, stream);
+  return ffn::launch_ch<8>(p, device, stream);
+}
+
+}  // namespace twell

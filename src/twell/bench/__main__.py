@@ -1,0 +1,83 @@
+"""``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from twell.bench.ffn import SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report, write_outputs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m twell.bench")
+    sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("ffn", help="dense vs sparse gated FFN: correctness, time, energy, memory",
+                       description="Defaults: protocol shapes on CUDA (M 8192/65536/131072, D 2048, H 5632, "
+                                   "odd shape 12345 x 5600, training M 16384); tiny shapes on CPU.")
+    f.add_argument("--shapes", choices=("inference", "odd", "train", "all"), default="all",
+                   help="inference (includes the odd correctness shape), odd, train, or all (default)")
+    f.add_argument("--cases", nargs="+", choices=list(SPARSITY), default=list(SPARSITY),
+                   help="sparsity cases (nnz target, tail): " + ", ".join(f"{k}={v}" for k, v in SPARSITY.items()))
+    f.add_argument("--M", nargs="+", type=int, help="inference token counts")
+    f.add_argument("--D", type=int, help="hidden size")
+    f.add_argument("--H", type=int, help="intermediate size")
+    f.add_argument("--odd-M", type=int, help="token count of the odd shape")
+    f.add_argument("--odd-H", type=int, help="intermediate size of the odd shape")
+    f.add_argument("--train-M", type=int, help="token count of the training shape")
+    f.add_argument("--impl", nargs="+", help="inference implementations (default: twell-kernel on CUDA, "
+                                             "twell-reference on CPU)")
+    f.add_argument("--train-impl", nargs="+", default=[], help="training implementations besides dense")
+    f.add_argument("--reps", type=int, default=30)
+    f.add_argument("--warmup", type=int, default=3)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--tol", type=float, default=1e-2, help="max relative Frobenius error vs dense")
+    f.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    f.add_argument("--no-energy", action="store_true", help="skip the NVML energy loops")
+    f.add_argument("--energy-seconds", type=float, default=2.0)
+    f.add_argument("--no-memory", action="store_true")
+    f.add_argument("--no-flush-l2", action="store_true", help="do not overwrite L2 before each timed call")
+    f.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 context error")
+    f.add_argument("--out", type=Path, help="output directory (default reports/bench)")
+    f.add_argument("--tag", default="", help="suffix of the output file names")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    cfg = BenchConfig(
+        device=args.device, shapes=args.shapes, cases=tuple(args.cases), Ms=tuple(args.M) if args.M else None,
+        D=args.D, H=args.H, odd_M=args.odd_M, odd_H=args.odd_H, train_M=args.train_M,
+        impls=tuple(args.impl) if args.impl else None, train_impls=tuple(args.train_impl), reps=args.reps,
+        warmup=args.warmup, seed=args.seed, tol=args.tol, energy=not args.no_energy,
+        energy_seconds=args.energy_seconds, memory=not args.no_memory, flush_l2=not args.no_flush_l2,
+        fp32_check=not args.no_fp32_check, out=args.out, tag=args.tag)
+    runner = BenchRunner(cfg, progress=not args.quiet)
+    for name, why in runner.unavailable.items():
+        print(f"WARNING: implementation {name!r} unavailable: {why}", file=sys.stderr)
+    if args.out is None:
+        from twell.paths import reports_dir
+
+        out_dir = reports_dir("bench")
+    else:
+        out_dir = args.out
+    # Results so far are written after every case, so a run cut short still leaves its numbers.
+    result = runner.run(on_case=lambda partial: write_outputs(partial, out_dir, args.tag))
+    jpath, mpath = write_outputs(result, out_dir, args.tag)
+    print(markdown_report(result))
+    print(f"wrote {jpath}\nwrote {mpath}")
+    code = exit_code(result)
+    if code == 1:
+        print(f"\nCORRECTNESS FAILURES ({len(result['failures'])}):\n  " + "\n  ".join(result["failures"]),
+              file=sys.stderr)
+    elif code == 2:
+        print("\nsome requested implementations were unavailable (see above): exit 2", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,559 @@
+"""The FFN benchmark of shared/BENCHMARK.md: dense vs sparse gated FFN, correctness first.
+
+For each case (calibrated inputs at a target nnz and tail) this measures the activation
+sparsity, checks every sparse implementation against the dense bf16 baseline (outputs poisoned
+with NaN first; relative Frobenius error < tol), then times dense, the gate GEMM alone (the
+floor) and the sparse implementations alternately (median of >= 30 CUDA-event timings), and
+records energy per token (NVML) and peak memory above the inputs. Training cases time the
+forward + backward with the L1 term. Results go to JSON and a markdown table.
+
+On CPU everything runs at tiny shapes with perf_counter so the harness itself can be tested;
+those timings are not the protocol and the output says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import math
+import platform
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from twell.bench.energy import EnergyMeter, EnergyUnavailable
+from twell.bench.generator import calibrated_ffn_inputs, gate_activation, sparsity_stats
+from twell.bench.memory import peak_memory_above_baseline
+from twell.bench.registry import ImplUnavailable, Registry, default_registry
+from twell.bench.timing import time_alternating
+
+# Target mean active neurons per row and tail of BENCHMARK.md (29 = the paper's 1.5B average).
+SPARSITY: dict[str, tuple[float, float]] = {
+    "nnz8": (8, 0.1),
+    "nnz29": (29, 0.1),
+    "nnz64": (64, 0.1),
+    "nnz29-heavy": (29, 0.35),
+}
+L1_COEF = 2e-5
+CPU_NOTE = ("CPU run: timings use time.perf_counter at tiny shapes to exercise the harness; they are "
+            "NOT the benchmark protocol (CUDA events on an H100, shapes of BENCHMARK.md).")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: shape, target sparsity, and kind ("inference", "odd" or "train")."""
+
+    kind: str
+    sparsity: str
+    M: int
+    D: int
+    H: int
+    nnz: float
+    tail: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} M={self.M} {self.sparsity}"
+
+
+@dataclass
+class BenchConfig:
+    """What to run. Shape defaults depend on the device (protocol shapes on CUDA, tiny on CPU)."""
+
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes: str = "all"                        # inference | odd | train | all (inference includes odd)
+    cases: tuple[str, ...] = tuple(SPARSITY)
+    Ms: tuple[int, ...] | None = None          # inference token counts
+    D: int | None = None
+    H: int | None = None
+    odd_M: int | None = None
+    odd_H: int | None = None
+    train_M: int | None = None
+    impls: tuple[str, ...] | None = None       # default: twell-kernel on CUDA, twell-reference on CPU
+    train_impls: tuple[str, ...] = ()
+    reps: int = 30
+    warmup: int = 3
+    seed: int = 0
+    tol: float = 1e-2
+    tile: int = 256
+    energy: bool = True
+    energy_seconds: float = 2.0
+    memory: bool = True
+    flush_l2: bool = True
+    fp32_check: bool = True
+    out: Path | None = None
+    tag: str = ""
+
+    def resolved(self) -> "BenchConfig":
+        """A copy with every None default filled in for the device."""
+        cuda = torch.device(self.device).type == "cuda"
+        d = dict(
+            Ms=(8192, 65536, 131072) if cuda else (256, 1024),
+            D=2048 if cuda else 256, H=5632 if cuda else 768,
+            # M not a multiple of 256, H not a multiple of the 256 tile (nor of 64).
+            odd_M=12345 if cuda else 203, odd_H=5600 if cuda else 700,
+            train_M=16384 if cuda else 256,
+            impls=("twell-kernel",) if cuda else ("twell-reference",),
+        )
+        changes = {k: v for k, v in d.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **changes)
+
+
+def build_cases(cfg: BenchConfig) -> list[Case]:
+    """The cases of the config, in run order: inference Ms, the odd shape, then training."""
+    if cfg.shapes not in ("inference", "odd", "train", "all"):
+        raise ValueError(f"shapes must be inference, odd, train or all, got {cfg.shapes!r}")
+    unknown = [c for c in cfg.cases if c not in SPARSITY]
+    if unknown:
+        raise ValueError(f"unknown cases {unknown}; known: {list(SPARSITY)}")
+    cases = []
+
+    def add(kind, M, H):
+        for name in cfg.cases:
+            nnz, tail = SPARSITY[name]
+            cases.append(Case(kind, name, int(M), int(cfg.D), int(H), nnz, tail, cfg.seed))
+
+    if cfg.shapes in ("inference", "all"):
+        for M in cfg.Ms:
+            add("inference", M, cfg.H)
+    if cfg.shapes in ("inference", "odd", "all"):
+        add("odd", cfg.odd_M, cfg.odd_H)
+    if cfg.shapes in ("train", "all"):
+        add("train", cfg.train_M, cfg.H)
+    return cases
+
+
+# ------------------------------------------------------------------ correctness helpers
+def dense_ffn(x, w_gate, w_up, w_down):
+    """The dense baseline: F.linear(relu(F.linear(x, W_gate)) * F.linear(x, W_up), W_down)."""
+    return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def dense_train_ffn(x, w_gate, w_up, w_down):
+    """Dense training forward: (out, l1) with l1 = h.abs().sum(-1).float().mean()."""
+    h = F.relu(F.linear(x, w_gate))
+    out = F.linear(h * F.linear(x, w_up), w_down)
+    return out, h.abs().sum(-1).float().mean()
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 16384) -> float:
+    """||out - ref||_F / ||ref||_F in float32 (NaN when out has a non-finite element)."""
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {list(out.shape)} != reference shape {list(ref.shape)}")
+    num = den = 0.0
+    rows = out.shape[0] if out.dim() else 1
+    o2, r2 = out.reshape(rows, -1), ref.reshape(rows, -1)
+    for s in range(0, o2.shape[0], chunk_rows):
+        o, r = o2[s:s + chunk_rows].float(), r2[s:s + chunk_rows].float()
+        num += float(torch.linalg.vector_norm(o - r)) ** 2
+        den += float(torch.linalg.vector_norm(r)) ** 2
+    return math.sqrt(num) / math.sqrt(den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def fp32_ffn(x, w_gate, w_up, w_down, chunk_rows: int = 16384) -> torch.Tensor:
+    """The dense FFN of the same (bf16) inputs in float32 at full precision (no TF32), [M, D] fp32."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        wg, wu, wd = w_gate.float(), w_up.float(), w_down.float()
+        return torch.cat([dense_ffn(x[s:s + chunk_rows].float(), wg, wu, wd)
+                          for s in range(0, x.shape[0], chunk_rows)])
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+class Poison:
+    """Fills freed allocator blocks with 0xFF (NaN in bf16/fp32) so unwritten outputs show as NaN.
+
+    The CUDA caching allocator hands freed blocks to the next allocations, so an implementation
+    that allocates its output with torch.empty gets poisoned memory. ``hit(out)`` says whether
+    the output really landed in a poisoned block. On CPU there is no such cache: n/a.
+    """
+
+    def __init__(self, device: torch.device, nbytes: int, blocks: int = 4):
+        self.ranges = []
+        if device.type != "cuda":
+            return
+        bufs = [torch.full((nbytes,), 255, dtype=torch.uint8, device=device) for _ in range(blocks)]
+        self.ranges = [(b.data_ptr(), b.data_ptr() + nbytes) for b in bufs]
+        torch.cuda.synchronize(device)
+        del bufs  # back to the cache, still holding 0xFF
+
+    def hit(self, out: torch.Tensor) -> bool | None:
+        if not self.ranges:
+            return None
+        p = out.data_ptr()
+        return any(lo <= p < hi for lo, hi in self.ranges)
+
+
+def _nonfinite(t: torch.Tensor) -> int:
+    return int((~torch.isfinite(t)).sum())
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------ runner
+@dataclass
+class BenchRunner:
+    """Runs the cases of a config with the implementations of a registry; collects one record per case."""
+
+    cfg: BenchConfig
+    registry: Registry = field(default_factory=default_registry)
+    progress: bool = True
+
+    def __post_init__(self):
+        self.cfg = self.cfg.resolved()
+        self.device = torch.device(self.cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        self.unavailable: dict[str, str] = {}
+        self.infer_fns = self._resolve(self.cfg.impls, "inference")
+        self.train_fns = self._resolve(self.cfg.train_impls, "training")
+        self.meter, self.energy_note = None, None
+        if self.cfg.energy:
+            try:
+                self.meter = EnergyMeter(self.device)
+            except EnergyUnavailable as exc:
+                self.energy_note = str(exc)
+        else:
+            self.energy_note = "disabled"
+
+    def _resolve(self, names, kind) -> dict[str, Callable]:
+        fns = {}
+        for name in names:
+            try:
+                fns[name] = self.registry.resolve(name, kind)
+            except ImplUnavailable as exc:
+                self.unavailable[name] = str(exc)
+        return fns
+
+    # -------------------------------------------------------------- inference
+    def run_inference(self, case: Case) -> dict:
+        cfg, dev = self.cfg, self.device
+        inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed, device=dev)
+        rec = self._case_header(case, inp)
+        x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
+        wdt = wd.t().contiguous()  # prepared once, outside every timed region
+
+        def dense():
+            return dense_ffn(x, wg, wu, wd)
+
+        def gate():
+            return F.linear(x, wg)
+
+        ref = dense()
+        if cfg.fp32_check:
+            ref32 = fp32_ffn(x, wg, wu, wd)
+            rec["dense"]["rel_err_vs_fp32"] = rel_error(ref, ref32)
+        calls = {}
+        for name, fn in self.infer_fns.items():
+            res = rec["impls"][name] = {}
+            call = (lambda fn=fn: fn(x, wg, wu, wdt))
+            poison = Poison(dev, ref.numel() * ref.element_size())
+            try:
+                out = call()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as exc:  # the table shows it; the run goes on with the other impls
+                res.update(ok=False, error=_short(exc))
+                continue
+            res["poison_hit"] = poison.hit(out)
+            if not (isinstance(out, torch.Tensor) and out.shape == ref.shape):
+                got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                res.update(ok=False, error=f"expected output of shape {list(ref.shape)}, got {got}")
+                continue
+            res["dtype"] = str(out.dtype).replace("torch.", "")
+            res["nonfinite"] = _nonfinite(out)
+            res["rel_err"] = rel_error(out, ref)
+            if cfg.fp32_check:
+                res["rel_err_vs_fp32"] = rel_error(out, ref32)
+            res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
+            del out
+            calls[name] = call
+        if cfg.fp32_check:
+            del ref32
+        del ref
+        timings = time_alternating({"dense": dense, "gate": gate, **calls}, dev, cfg.reps, cfg.warmup,
+                                   cfg.flush_l2)
+        rec["dense"]["timing"] = timings["dense"].as_dict()
+        rec["gate"] = {"timing": timings["gate"].as_dict()}
+        rec["ceiling"] = timings["dense"].median_ms / timings["gate"].median_ms
+        for name in calls:
+            r = rec["impls"][name]
+            r["timing"] = timings[name].as_dict()
+            r["speedup"] = timings["dense"].median_ms / timings[name].median_ms
+        self._energy_memory(rec, {"dense": dense, **calls}, case.M)
+        return rec
+
+    # -------------------------------------------------------------- training
+    def run_training(self, case: Case) -> dict:
+        cfg, dev = self.cfg, self.device
+        inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed, device=dev)
+        rec = self._case_header(case, inp)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (inp.x, inp.w_gate, inp.w_up, inp.w_down)]
+        del inp
+        g = torch.Generator(device="cpu").manual_seed(case.seed + 1)
+        grad_out = torch.randn(case.M, case.D, generator=g).div_(math.sqrt(case.M * case.D))
+        grad_out = grad_out.to(torch.bfloat16).to(dev)
+        l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=dev)
+
+        def step(fn):
+            out, l1 = fn(*leaves)
+            grads = torch.autograd.grad((out, l1), leaves, (grad_out.to(out.dtype), l1_grad.to(l1.dtype)))
+            return (out.detach(), l1.detach(), *grads)
+
+        ref = step(dense_train_ffn)
+        calls = {"dense": (lambda: step(dense_train_ffn))}
+        names = ("out", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
+        for name, fn in self.train_fns.items():
+            res = rec["impls"][name] = {}
+            try:
+                got = step(fn)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            except Exception as exc:
+                res.update(ok=False, error=_short(exc))
+                continue
+            errs = {n: rel_error(a, b) for n, a, b in zip(names, got, ref)}
+            res["rel_err_parts"] = errs
+            res["rel_err"] = max(errs.values())
+            res["nonfinite"] = sum(_nonfinite(t) for t in got)
+            res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
+            calls[name] = (lambda fn=fn: step(fn))
+            del got
+        del ref
+        timings = time_alternating(calls, dev, cfg.reps, cfg.warmup, cfg.flush_l2)
+        rec["dense"]["timing"] = timings["dense"].as_dict()
+        for name in calls:
+            if name != "dense":
+                rec["impls"][name]["timing"] = timings[name].as_dict()
+                rec["impls"][name]["speedup"] = timings["dense"].median_ms / timings[name].median_ms
+        self._energy_memory(rec, calls, case.M)
+        return rec
+
+    # -------------------------------------------------------------- shared
+    def _case_header(self, case: Case, inp) -> dict:
+        h = gate_activation(inp)
+        stats = sparsity_stats(h, tile=self.cfg.tile)
+        del h
+        return {"case": dataclasses.asdict(case), "name": case.name, "bias": inp.bias, "sparsity": stats,
+                "dense": {}, "impls": {}}
+
+    def _energy_memory(self, rec: dict, fns: dict[str, Callable], tokens: int) -> None:
+        for name, fn in fns.items():
+            slot = rec["dense"] if name == "dense" else rec["impls"][name]
+            if self.cfg.memory:
+                slot["peak_bytes_above_inputs"] = peak_memory_above_baseline(fn, self.device)
+            if self.meter is not None:
+                e = self.meter.measure(fn, self.cfg.energy_seconds)
+                slot["energy"] = e.as_dict()
+                slot["joules_per_token"] = e.per_token(tokens)
+
+    def run(self, on_case: Callable[[dict], None] | None = None) -> dict:
+        """Every case; returns the full result (meta, cases, failures, unavailable).
+
+        ``on_case(partial_result)`` is called after each case (e.g. to write the results so far,
+        so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
+        """
+        cases = build_cases(self.cfg)
+        started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        records = []
+        bar = None
+        if self.progress:
+            try:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(cases), desc="ffn bench", unit="case", file=sys.stderr)
+            except ImportError:
+                bar = None
+        for i, case in enumerate(cases):
+            if bar is not None:
+                bar.set_postfix_str(case.name)
+            elif self.progress:
+                print(f"[{i + 1}/{len(cases)}] {case.name}", file=sys.stderr, flush=True)
+            rec = self.run_training(case) if case.kind == "train" else self.run_inference(case)
+            records.append(rec)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if bar is not None:
+                bar.update(1)
+            if on_case is not None and i + 1 < len(cases):
+                on_case(self._result(records, started, complete=False))
+        if bar is not None:
+            bar.close()
+        return self._result(records, started, complete=True)
+
+    def _result(self, records: list[dict], started: str, complete: bool) -> dict:
+        failures = [f"{r['name']}: {n}: {_failure_text(v, self.cfg.tol)}"
+                    for r in records for n, v in r["impls"].items() if not v.get("ok")]
+        return {"meta": self._meta(started), "complete": complete, "cases": list(records), "failures": failures,
+                "unavailable": dict(self.unavailable)}
+
+    def _meta(self, started: str) -> dict:
+        dev = self.device
+        cfg = dataclasses.asdict(self.cfg)
+        cfg["out"] = str(cfg["out"]) if cfg["out"] is not None else None
+        meta = {
+            "timestamp": started,
+            "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "clock": "cuda-events" if dev.type == "cuda" else "perf_counter",
+            "protocol": "shared/BENCHMARK.md" if dev.type == "cuda" else CPU_NOTE,
+            "config": cfg,
+            "energy_note": self.energy_note,
+            "argv": sys.argv,
+            "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
+                       "whether the output landed in one" if dev.type == "cuda" else "n/a on CPU"),
+        }
+        if dev.type == "cuda":
+            meta["cudnn"] = torch.backends.cudnn.version()
+            meta["driver"] = _driver_version()
+        return meta
+
+
+def _driver_version() -> str | None:
+    with contextlib.suppress(Exception):
+        import pynvml
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else v
+    return None
+
+
+def _failure_text(res: dict, tol: float) -> str:
+    if "error" in res:
+        return res["error"]
+    parts = []
+    if res.get("nonfinite"):
+        parts.append(f"{res['nonfinite']} non-finite output elements")
+    err = res.get("rel_err")
+    if err is not None and not err < tol:
+        parts.append(f"rel. error {err:.3g} >= {tol:g}")
+    return ", ".join(parts) or "failed"
+
+
+# ------------------------------------------------------------------ reporting
+def _ms(t: dict | None) -> str:
+    return f"{t['median_ms']:.3f}" if t else "-"
+
+
+def _mb(b) -> str:
+    return f"{b / 2**20:.0f}" if isinstance(b, (int, float)) else "-"
+
+
+def _jt(v) -> str:
+    return f"{v * 1e6:.2f}" if isinstance(v, (int, float)) else "-"
+
+
+def markdown_report(result: dict) -> str:
+    """Markdown: header, failures banner, inference table, energy/memory table, training table."""
+    meta, tol = result["meta"], result["meta"]["config"]["tol"]
+    lines = [f"# FFN benchmark ({meta['device_name']}, {meta['timestamp']})", ""]
+    if not result.get("complete", True):
+        lines += [f"> PARTIAL RESULTS: {len(result['cases'])} cases done, the run did not finish.", ""]
+    lines += [
+             f"torch {meta['torch']}, CUDA {meta['cuda']}, clock: {meta['clock']}; "
+             f"median of {meta['config']['reps']} reps; tolerance rel. error < {tol:g} vs dense bf16.", ""]
+    if meta["device"] == "cpu" or meta["device"].startswith("cpu"):
+        lines += [f"> {CPU_NOTE}", ""]
+    if result["failures"]:
+        lines += ["## **CORRECTNESS FAILURES**", ""] + [f"- **FAIL** {f}" for f in result["failures"]] + [""]
+    for name, why in result["unavailable"].items():
+        lines += [f"- implementation `{name}` unavailable: {why}"]
+    if result["unavailable"]:
+        lines.append("")
+    infer = [r for r in result["cases"] if r["case"]["kind"] != "train"]
+    train = [r for r in result["cases"] if r["case"]["kind"] == "train"]
+    if infer:
+        lines += ["## Inference FFN", "",
+                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows "
+                  "| impl | dense ms | sparse ms | speedup | rel. error | gate GEMM ms (floor) | ceiling | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in infer:
+            lines += _rows(r, tol, with_gate=True)
+        lines.append("")
+    if train:
+        lines += ["## Training FFN (forward + backward, L1 term included)", "",
+                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows "
+                  "| impl | dense ms | sparse ms | speedup | rel. error | status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in train:
+            lines += _rows(r, tol, with_gate=False)
+        lines.append("")
+    lines += ["## Energy and memory", ""]
+    measured = any(("joules_per_token" in r["dense"]) or ("peak_bytes_above_inputs" in r["dense"]
+                                                           and r["dense"]["peak_bytes_above_inputs"] is not None)
+                   for r in result["cases"])
+    energy_state = meta["energy_note"] or f"loops of >= {meta['config']['energy_seconds']} s"
+    if not measured:
+        lines += [f"Not measured on this device (energy: {energy_state}; memory: CUDA allocator statistics only).", ""]
+    else:
+        lines += [f"Energy per token from NVML's total-energy counter ({energy_state}); peak memory above "
+                  "inputs and weights (output included).", "",
+                  "| case | impl | dense uJ/token | sparse uJ/token | dense peak MB | sparse peak MB |",
+                  "|---|---|---|---|---|---|"]
+    for r in (result["cases"] if measured else []):
+        d = r["dense"]
+        impls = r["impls"] or {"-": {}}
+        for name, v in impls.items():
+            lines.append(f"| {r['name']} | {name} | {_jt(d.get('joules_per_token'))} | {_jt(v.get('joules_per_token'))} "
+                         f"| {_mb(d.get('peak_bytes_above_inputs'))} | {_mb(v.get('peak_bytes_above_inputs'))} |")
+    if any("rel_err_vs_fp32" in r["dense"] for r in result["cases"]):
+        lines += ["", "Context: rel. error of dense bf16 vs an fp32 FFN of the same inputs: " + ", ".join(
+            f"{r['name']}: {r['dense']['rel_err_vs_fp32']:.2e}" for r in result["cases"] if "rel_err_vs_fp32" in r["dense"])]
+    return "\n".join(lines) + "\n"
+
+
+def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
+    c, s = r["case"], r["sparsity"]
+    head = (f"| {c['kind']} {c['sparsity']} | {c['M']} | {c['D']} x {c['H']} | {c['nnz']:g} / {c['tail']:g} "
+            f"| {s['mean_active']:.1f} / {s['max_active']} | {s['max_per_tile']} | {s['overflow_rows']} ")
+    dense = r["dense"].get("timing")
+    gate = f" {_ms(r.get('gate', {}).get('timing'))} | {r['ceiling']:.2f}x |" if with_gate else ""
+    impls = r["impls"] or {"-": None}
+    rows = []
+    for name, v in impls.items():
+        if v is None:
+            rows.append(f"{head}| - | {_ms(dense)} | - | - | - |{gate} no sparse impl |")
+            continue
+        status = "ok" if v.get("ok") else f"**FAIL** ({_failure_text(v, tol)})"
+        err = f"{v['rel_err']:.2e}" if v.get("rel_err") is not None else "-"
+        sp = f"{v['speedup']:.2f}x" if "speedup" in v else "-"
+        rows.append(f"{head}| {name} | {_ms(dense)} | {_ms(v.get('timing'))} | {sp} | {err} |{gate} {status} |")
+    return rows
+
+
+def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
+    """ffn-<device>-<timestamp>[-tag].json and .md under out_dir; returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = result["meta"]["timestamp"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    dev = "".join(ch if ch.isalnum() else "-" for ch in result["meta"]["device_name"]).strip("-")[:40] or "device"
+    stem = f"ffn-{dev}-{stamp}" + (f"-{tag}" if tag else "")
+    jpath, mpath = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    jpath.write_text(json.dumps(result, indent=1, default=str))
+    mpath.write_text(markdown_report(result))
+    return jpath, mpath
+
+
+def exit_code(result: dict) -> int:
+    """1 when an implementation failed (wrong, non-finite or raised), 2 when one was unavailable, else 0."""
+    if result["failures"]:
+        return 1
+    return 2 if result["unavailable"] else 0

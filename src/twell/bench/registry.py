@@ -1,0 +1,87 @@
+"""Named FFN implementations for the benchmark, resolved lazily.
+
+Inference contract: ``fn(x, w_gate, w_up, w_down_t) -> out`` with x bf16 [M, D], w_gate/w_up
+bf16 [H, D], w_down_t = W_down.T contiguous bf16 [H, D] (prepared once, outside the timed
+region), out bf16 [M, D].
+
+Training contract: ``fn(x, w_gate, w_up, w_down) -> (out, l1)`` differentiable with respect to
+all four (leaf tensors requiring grad, nn.Linear layouts), where
+``l1 = h.abs().sum(-1).float().mean()`` of the gate activation h; the harness runs the backward.
+
+A factory returns the callable or raises ImplUnavailable(reason); it runs only when the
+implementation is asked for, so a registry can name kernels that do not build here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class ImplUnavailable(RuntimeError):
+    """The implementation cannot run here (the message says why)."""
+
+
+@dataclass
+class Registry:
+    """name -> factory, separately for inference and training implementations."""
+
+    inference: dict[str, Callable[[], Callable]] = field(default_factory=dict)
+    training: dict[str, Callable[[], Callable]] = field(default_factory=dict)
+
+    def register(self, name: str, factory: Callable[[], Callable], kind: str = "inference") -> None:
+        table = self._table(kind)
+        if name in ("dense", "gate"):
+            raise ValueError(f"{name!r} is reserved for the baselines; pick another implementation name")
+        if name in table:
+            raise ValueError(f"{kind} implementation {name!r} is already registered")
+        table[name] = factory
+
+    def register_fn(self, name: str, fn: Callable, kind: str = "inference") -> None:
+        """Register a ready callable (no lazy import needed)."""
+        self.register(name, lambda: fn, kind)
+
+    def resolve(self, name: str, kind: str = "inference") -> Callable:
+        """The callable, or ImplUnavailable (unknown name, or its factory says why not)."""
+        table = self._table(kind)
+        if name not in table:
+            raise ImplUnavailable(f"unknown {kind} implementation {name!r}; registered: {sorted(table)}")
+        return table[name]()
+
+    def names(self, kind: str = "inference") -> list[str]:
+        return list(self._table(kind))
+
+    def _table(self, kind: str) -> dict:
+        if kind not in ("inference", "training"):
+            raise ValueError(f"kind must be 'inference' or 'training', got {kind!r}")
+        return self.inference if kind == "inference" else self.training
+
+
+def _twell_kernel() -> Callable:
+    from twell import kernels
+
+    ok, why = kernels.available()
+    if not ok:
+        raise ImplUnavailable(f"twell.kernels not available: {why}")
+    sparse_gated_ffn = kernels.sparse_gated_ffn
+
+    def fn(x, w_gate, w_up, w_down_t):
+        return sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile=256, compression=8)
+
+    return fn
+
+
+def _twell_reference() -> Callable:
+    from twell.reference import twell_gate, twell_gated_ffn
+
+    def fn(x, w_gate, w_up, w_down_t):
+        return twell_gated_ffn(x, twell_gate(x, w_gate, tile=256, compression=8), w_up, w_down_t)
+
+    return fn
+
+
+def default_registry() -> Registry:
+    """A fresh registry with "twell-kernel" (CUDA, sm_90a) and "twell-reference" (pure PyTorch)."""
+    reg = Registry()
+    reg.register("twell-kernel", _twell_kernel)
+    reg.register("twell-reference", _twell_reference)
+    return reg

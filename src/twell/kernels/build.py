@@ -1,0 +1,513 @@
+"""JIT build of the CUDA extension (every csrc/*.cu and csrc/*.cpp) and the ptxas resource report.
+
+One extension is built from all sources with ``torch.utils.cpp_extension.load`` and ninja into a
+build directory keyed by a hash of the sources, headers, flags, torch version and CUDA version
+(``~/.cache/twell/ext-<hash>``; the root can be moved with ``TWELL_BUILD_DIR``). The compiler
+flags live in one place (``NVCC_FLAGS``/``CXX_FLAGS``/``LDFLAGS`` below) and are shared with the
+ptxas report so that CI checks exactly what the build compiles.
+
+No ``--use_fast_math``: the kernels must keep exact ReLU / NaN behaviour.
+
+CLI (for humans; CI runs tests/test_kernels_compile.py):
+    python -m twell.kernels.build --report     # nvcc -cubin every csrc/*.cu, table of regs/spills/smem
+    python -m twell.kernels.build --build      # build + load the extension, print path and time
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from twell.paths import repo_root
+
+# The single list of device flags (the real build and the ptxas check both use it).
+NVCC_FLAGS: tuple[str, ...] = (
+    "-O3",
+    "-gencode=arch=compute_90a,code=sm_90a",  # wgmma/TMA need the arch-specific 'a' target
+    "-lineinfo",
+    "-std=c++17",
+)
+CXX_FLAGS: tuple[str, ...] = ("-O3", "-std=c++17")
+LDFLAGS: tuple[str, ...] = ()
+# torch adds these to every CUDA compile of an extension; the ptxas check adds them too.
+TORCH_NVCC_DEFINES: tuple[str, ...] = (
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
+)
+EXTENSION_NAME = "twell_kernels"
+HEADER_SUFFIXES = (".h", ".cuh", ".hpp", ".inl")
+REQUIRED_CAPABILITY = (9, 0)
+LOG_TAIL_CHARS = 8000
+
+
+class BuildError(RuntimeError):
+    """The extension failed to build; ``build_dir`` and ``log_tail`` (compiler output) attached."""
+
+    def __init__(self, message: str, build_dir: Path, log_tail: str):
+        super().__init__(message)
+        self.build_dir = Path(build_dir)
+        self.log_tail = log_tail
+
+
+def csrc_dir() -> Path:
+    """``<repo>/csrc``."""
+    return repo_root() / "csrc"
+
+
+def default_sources(root: Path | None = None) -> list[Path]:
+    """Every csrc/*.cu and csrc/*.cpp (sorted), i.e. what goes into the one extension."""
+    root = Path(root) if root is not None else csrc_dir()
+    return sorted(list(root.glob("*.cu")) + list(root.glob("*.cpp")))
+
+
+def find_cuda_home() -> Path | None:
+    """The CUDA toolkit root (holding bin/nvcc and include/cuda_runtime.h), or None.
+
+    Tries $CUDA_HOME, $CUDA_PATH, the resolved nvcc on PATH, then /usr/local/cuda. An nvcc on
+    PATH can be a wrapper script (/usr/local/bin/nvcc here), whose parent is not the toolkit:
+    torch would then take /usr/local as CUDA_HOME and miss the CUDA headers for host sources.
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(str(Path(on_path).resolve().parent.parent))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").is_file() and (Path(c) / "include" / "cuda_runtime.h").is_file():
+            return Path(c)
+    return None
+
+
+def find_nvcc() -> str | None:
+    """Path of nvcc: the toolkit's (see find_cuda_home), else any nvcc on PATH; None if absent."""
+    home = find_cuda_home()
+    if home is not None:
+        return str(home / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str | None = None) -> str:
+    """``release X.Y, VX.Y.Z`` line of ``nvcc --version`` ('' when nvcc is missing)."""
+    nvcc = nvcc or find_nvcc()
+    if not nvcc:
+        return ""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    m = re.search(r"release [^\n]*", out)
+    return m.group(0) if m else out.strip().splitlines()[-1] if out.strip() else ""
+
+
+def default_build_root() -> Path:
+    """$TWELL_BUILD_DIR, else ~/.cache/twell (the ext-<hash> directories go inside)."""
+    env = os.environ.get("TWELL_BUILD_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "twell"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionSpec:
+    """Everything that determines one build: sources, headers, flags, toolchain versions."""
+
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...] = ()
+    name: str = EXTENSION_NAME
+    nvcc_flags: tuple[str, ...] = NVCC_FLAGS
+    cxx_flags: tuple[str, ...] = CXX_FLAGS
+    ldflags: tuple[str, ...] = LDFLAGS
+    build_root: Path | None = None
+
+    @classmethod
+    def from_dir(cls, root: Path | None = None, **kw) -> "ExtensionSpec":
+        """All .cu/.cpp of a directory as sources and its headers (default: csrc/)."""
+        root = Path(root) if root is not None else csrc_dir()
+        headers = sorted(p for p in root.glob("*") if p.suffix in HEADER_SUFFIXES)
+        return cls(sources=tuple(default_sources(root)), headers=tuple(headers), **kw)
+
+    def fingerprint(self) -> str:
+        """16 hex chars of sha256 over source/header contents, flags, torch/CUDA/nvcc/python versions."""
+        h = hashlib.sha256()
+
+        def add(tag: str, value: str | bytes) -> None:
+            data = value.encode() if isinstance(value, str) else value
+            h.update(f"{tag}:{len(data)}:".encode())
+            h.update(data)
+
+        add("name", self.name)
+        for path in self.sources + self.headers:
+            add("file", Path(path).name)
+            add("content", Path(path).read_bytes())
+        for flag in self.nvcc_flags:
+            add("nvcc_flag", flag)
+        for flag in self.cxx_flags:
+            add("cxx_flag", flag)
+        for flag in self.ldflags:
+            add("ldflag", flag)
+        add("torch", torch.__version__)
+        add("torch_cuda", str(torch.version.cuda))
+        add("nvcc", nvcc_version())
+        add("python", sys.version.split()[0])
+        return h.hexdigest()[:16]
+
+    @property
+    def build_dir(self) -> Path:
+        root = Path(self.build_root) if self.build_root is not None else default_build_root()
+        return root / f"ext-{self.fingerprint()}"
+
+    @property
+    def module_name(self) -> str:
+        # The hash in the module name lets a process load a rebuilt extension after an edit
+        # (Python refuses two modules of one name from different files only by overwriting).
+        return f"{self.name}_{self.fingerprint()[:10]}"
+
+
+class ExtensionLoader:
+    """Builds and loads extensions, caching the module (or the build error) per fingerprint."""
+
+    def __init__(self):
+        self._modules: dict[str, object] = {}
+        self._errors: dict[str, BuildError] = {}
+
+    def load(self, spec: ExtensionSpec | None = None, verbose: bool = False, retry: bool = False):
+        """Build (if needed) and import the extension; raises BuildError with the compiler output."""
+        spec = spec or ExtensionSpec.from_dir()
+        if not spec.sources:
+            raise BuildError(f"no .cu/.cpp sources to build (looked in {csrc_dir()})", spec.build_dir, "")
+        key = spec.fingerprint()
+        if key in self._modules:
+            return self._modules[key]
+        if key in self._errors and not retry:
+            raise self._errors[key]
+        try:
+            module = self._build(spec, verbose)
+        except BuildError as err:
+            self._errors[key] = err
+            raise
+        self._modules[key] = module
+        return module
+
+    @staticmethod
+    def _build(spec: ExtensionSpec, verbose: bool):
+        from torch.utils import cpp_extension
+
+        home = find_cuda_home()
+        if home is not None and not os.environ.get("CUDA_HOME"):
+            os.environ["CUDA_HOME"] = str(home)  # cpp_extension takes nvcc and the CUDA headers from it
+        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+        build_dir = spec.build_dir
+        build_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        try:
+            module = cpp_extension.load(
+                name=spec.module_name,
+                sources=[str(p) for p in spec.sources],
+                extra_cflags=list(spec.cxx_flags),
+                extra_cuda_cflags=list(spec.nvcc_flags),
+                extra_ldflags=list(spec.ldflags),
+                extra_include_paths=sorted({str(Path(p).parent) for p in spec.sources}),
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+        except Exception as exc:  # cpp_extension raises RuntimeError/OSError/ImportError with the log
+            text = str(exc)
+            (build_dir / "build_error.log").write_text(text)
+            tail = text[-LOG_TAIL_CHARS:]
+            raise BuildError(
+                f"building the twell CUDA extension failed ({type(exc).__name__}).\n"
+                f"build dir: {build_dir}  (full log: {build_dir / 'build_error.log'})\n"
+                f"compiler output (tail):\n{tail}", build_dir, tail) from exc
+        (build_dir / "build_info.txt").write_text(
+            f"module {spec.module_name}\nseconds {time.perf_counter() - started:.1f}\n"
+            f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {nvcc_version()}\n"
+            f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n")
+        return module
+
+
+@functools.lru_cache(maxsize=1)
+def default_loader() -> ExtensionLoader:
+    """The process's loader (one object, so a module is built and imported once per process)."""
+    return ExtensionLoader()
+
+
+def load(verbose: bool = False, retry: bool = False):
+    """Build (cached on disk by hash) and import the extension from csrc/; returns the module.
+
+    Raises BuildError (message: compiler output tail and build directory) when the build fails;
+    a failed build is remembered for this process unless ``retry=True``.
+    """
+    return default_loader().load(ExtensionSpec.from_dir(), verbose=verbose, retry=retry)
+
+
+def available(build: bool = True) -> tuple[bool, str]:
+    """(True, where) when the kernels can run here, else (False, every reason why not).
+
+    Checks CUDA, an sm_90 (Hopper) device, nvcc, ninja and csrc sources; with ``build=True``
+    also builds/loads the extension (a build failure is a reason), with ``build=False`` builds
+    nothing.
+    """
+    reasons = []
+    if torch.version.cuda is None:
+        reasons.append(f"no CUDA: torch {torch.__version__} is a CPU-only build")
+    elif not torch.cuda.is_available():
+        reasons.append("no CUDA device visible (torch.cuda.is_available() is False)")
+    else:
+        cap = torch.cuda.get_device_capability()
+        if cap != REQUIRED_CAPABILITY:
+            reasons.append(f"device {torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}; "
+                           f"the kernels are built for sm_90a (Hopper, e.g. H100)")
+    nvcc = find_nvcc()
+    if nvcc is None:
+        reasons.append("no nvcc found (set CUDA_HOME to the CUDA toolkit or put nvcc on PATH)")
+    if shutil.which("ninja") is None:
+        reasons.append("no ninja on PATH (pip install ninja)")
+    sources = default_sources()
+    if not sources:
+        reasons.append(f"no .cu/.cpp sources in {csrc_dir()}")
+    if reasons:
+        return False, "; ".join(reasons)
+    if not build:
+        return True, (f"prerequisites present ({torch.cuda.get_device_name()}, nvcc {nvcc_version(nvcc)}, "
+                      f"{len(sources)} sources); not built (build=False)")
+    try:
+        module = load()
+    except BuildError as err:
+        return False, f"build failed: {err}"
+    return True, f"loaded {getattr(module, '__file__', module)}"
+
+
+# ------------------------------------------------------------------ ptxas report
+@dataclasses.dataclass
+class KernelResources:
+    """ptxas -v numbers of one entry function."""
+
+    name: str            # demangled when c++filt/cu++filt is available
+    mangled: str
+    arch: str
+    registers: int | None = None
+    stack_bytes: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    smem_bytes: int = 0  # static shared memory (dynamic smem is set at launch, not seen here)
+    barriers: int | None = None
+
+    @property
+    def spills(self) -> int:
+        return (self.spill_stores or 0) + (self.spill_loads or 0)
+
+
+@dataclasses.dataclass
+class CompileResult:
+    source: Path
+    ok: bool
+    returncode: int
+    output: str
+    seconds: float
+    kernels: list[KernelResources]
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+
+
+def parse_ptxas(text: str) -> list[KernelResources]:
+    """Entry functions with registers, stack, spills, static smem and barriers from ptxas -v output."""
+    kernels: dict[str, KernelResources] = {}
+    current: KernelResources | None = None
+    props_for: str | None = None
+    for line in text.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = kernels.setdefault(m.group(1), KernelResources(m.group(1), m.group(1), m.group(2)))
+            continue
+        m = _PROPS.search(line)
+        if m:
+            props_for = m.group(1)
+            continue
+        m = _STACK.search(line)
+        if m and props_for in kernels:
+            k = kernels[props_for]
+            k.stack_bytes, k.spill_stores, k.spill_loads = (int(v) for v in m.groups())
+            continue
+        m = _USED.search(line)
+        if m and current is not None:
+            current.registers = int(m.group(1))
+            s = _SMEM.search(line)
+            current.smem_bytes = int(s.group(1)) if s else 0
+            b = _BARRIERS.search(line)
+            current.barriers = int(b.group(1)) if b else None
+    out = list(kernels.values())
+    _demangle(out)
+    return out
+
+
+def _demangle(kernels: list[KernelResources]) -> None:
+    tool = shutil.which("cu++filt") or (str(Path(find_nvcc()).parent / "cu++filt") if find_nvcc() else None)
+    if not tool or not Path(tool).exists():
+        tool = shutil.which("c++filt")
+    if not tool or not kernels:
+        return
+    try:
+        res = subprocess.run([tool], input="\n".join(k.mangled for k in kernels), capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return
+    names = res.stdout.splitlines()
+    if res.returncode == 0 and len(names) == len(kernels):
+        for k, n in zip(kernels, names):
+            k.name = n.strip()
+
+
+def compile_command(source: Path, output: Path, nvcc: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """nvcc command that compiles the device code of one .cu to a cubin with ptxas -v.
+
+    Same device flags and defines as the extension build; torch's include dirs plus a shim dir
+    (see _shim_include_dir) and Python's include dir.
+    """
+    from torch.utils import cpp_extension
+
+    includes = list(cpp_extension.include_paths()) + [str(_shim_include_dir()),
+                                                       sysconfig.get_paths()["include"],
+                                                       str(Path(source).parent)]
+    return [nvcc, *NVCC_FLAGS, *TORCH_NVCC_DEFINES, *extra,
+            f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *(f"-I{p}" for p in includes), "-Xptxas", "-v", "-cubin", "-o", str(output), str(source)]
+
+
+@functools.lru_cache(maxsize=1)
+def _shim_include_dir() -> Path:
+    """Include dir with the one generated c10 header that the CPU torch wheel does not ship.
+
+    ``c10/cuda/CUDAMacros.h`` includes ``c10/cuda/impl/cuda_cmake_macros.h``, which only CUDA
+    builds of torch contain; for a compile-only check it just declares shared-library linkage.
+    A CUDA build of torch ships the real one, which then comes first on the include path.
+    """
+    root = Path(tempfile.mkdtemp(prefix="twell-shim-"))
+    header = root / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    return root
+
+
+def compile_one(source: Path, nvcc: str | None = None, extra: tuple[str, ...] = ()) -> CompileResult:
+    """Compile one .cu for sm_90a (device code only) and parse its ptxas resource usage."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    with tempfile.TemporaryDirectory(prefix="twell-ptxas-") as tmp:
+        cmd = compile_command(Path(source), Path(tmp) / (Path(source).stem + ".cubin"), nvcc, extra)
+        started = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+    output = res.stdout + res.stderr
+    return CompileResult(Path(source), res.returncode == 0, res.returncode, output, seconds,
+                         parse_ptxas(output))
+
+
+def compile_all(sources: list[Path] | None = None, jobs: int | None = None,
+                extra: tuple[str, ...] = ()) -> list[CompileResult]:
+    """compile_one over every csrc/*.cu (or ``sources``) in parallel (``jobs`` default: cpu count)."""
+    sources = [Path(s) for s in (sources if sources is not None else sorted(csrc_dir().glob("*.cu")))]
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(sources) or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda s: compile_one(s, nvcc, extra), sources))
+
+
+def check_host_syntax(source: Path, cxx: str | None = None) -> CompileResult:
+    """``c++ -fsyntax-only`` of one host source (csrc/*.cpp) with the build's C++ flags and includes.
+
+    Catches host-side errors (bindings) on a CPU machine; the CUDA include dir comes from nvcc.
+    """
+    from torch.utils import cpp_extension
+
+    cxx = cxx or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (c++/g++) on PATH")
+    home = find_cuda_home()
+    includes = list(cpp_extension.include_paths()) + [str(_shim_include_dir())]
+    if home is not None:
+        includes.append(str(home / "include"))
+    includes += [sysconfig.get_paths()["include"], str(Path(source).parent)]
+    cmd = [cxx, "-fsyntax-only", *CXX_FLAGS, "-w", f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-I{p}" for p in includes), str(source)]
+    started = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return CompileResult(Path(source), res.returncode == 0, res.returncode, res.stdout + res.stderr,
+                         time.perf_counter() - started, [])
+
+
+def format_report(results: list[CompileResult], name_width: int = 70) -> str:
+    """Plain-text table: file, kernel, registers, stack, spill stores/loads, static smem, barriers."""
+    head = f"{'file':<24} {'kernel':<{name_width}} {'regs':>5} {'stack':>6} {'spill st':>8} {'spill ld':>8} {'smem':>7} {'bar':>4}"
+    lines = [f"ptxas resource usage, sm_90a, flags: {' '.join(NVCC_FLAGS)}", head, "-" * len(head)]
+    for r in results:
+        if not r.ok:
+            lines.append(f"{r.source.name:<24} COMPILE FAILED (exit {r.returncode}, {r.seconds:.1f} s)")
+            continue
+        if not r.kernels:
+            lines.append(f"{r.source.name:<24} (no kernels) ({r.seconds:.1f} s)")
+        for k in r.kernels:
+            name = k.name if len(k.name) <= name_width else k.name[: name_width - 3] + "..."
+            flag = "  <-- SPILLS" if k.spills else ""
+            lines.append(f"{r.source.name:<24} {name:<{name_width}} {k.registers!s:>5} {k.stack_bytes!s:>6} "
+                         f"{k.spill_stores!s:>8} {k.spill_loads!s:>8} {k.smem_bytes:>7} {k.barriers!s:>4}{flag}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m twell.kernels.build", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", action="store_true", help="compile every csrc/*.cu, print ptxas table")
+    parser.add_argument("--build", action="store_true", help="build and load the extension")
+    parser.add_argument("--verbose", action="store_true", help="show the ninja/compiler output of --build")
+    parser.add_argument("files", nargs="*", help="with --report: .cu files instead of csrc/*.cu")
+    args = parser.parse_args(argv)
+    if not (args.report or args.build):
+        parser.error("give --report and/or --build")
+    status = 0
+    if args.report:
+        results = compile_all([Path(f) for f in args.files] if args.files else None)
+        print(format_report(results))
+        for r in results:
+            if not r.ok:
+                status = 1
+                print(f"\n=== {r.source} failed to compile (exit {r.returncode}):\n{r.output[-LOG_TAIL_CHARS:]}")
+        spilling = [k.name for r in results for k in r.kernels if k.spills]
+        if spilling:
+            status = 1
+            print(f"\nkernels with register spills: {spilling}")
+    if args.build:
+        spec = ExtensionSpec.from_dir()
+        print(f"building {len(spec.sources)} sources into {spec.build_dir}", flush=True)
+        started = time.perf_counter()
+        try:
+            module = default_loader().load(spec, verbose=args.verbose)
+        except BuildError as err:
+            print(err)
+            return 1
+        print(f"built and loaded {module.__file__} in {time.perf_counter() - started:.1f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

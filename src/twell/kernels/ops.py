@@ -1,0 +1,119 @@
+"""torch.library ops around the CUDA kernels, with the signatures of ``twell.reference``.
+
+Two custom ops carry the work (fake implementations registered, so ``torch.compile`` and CUDA
+graphs can trace them without running them):
+
+- ``twell::gate(x, w_gate, tile, compression) -> packed`` : TwELL words from the gate GEMM epilogue
+- ``twell::ffn(x, packed, w_act?, w_up?, w_down_t, tile, compression) -> out`` : fused up/down
+
+The public functions validate inputs with readable errors (shared with the reference), then call
+the ops. A TwELL from :func:`twell_gate` carries the gate kernel's spill area (the entries of tile rows that
+overflowed their slots) and remembers ``(x, w_gate)``, so the fused kernel reads every nonzero and,
+should the spill area be full, recomputes the remaining tiles itself (exact for any activation
+pattern, no host synchronisation). A TwELL packed
+elsewhere (``pack_twell``) has its dense backup instead: the kernel skips those rows and they are
+computed densely from the backup right after, in the same call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from twell.formats import TwELL, check_tensor
+from twell.kernels.build import load
+from twell.reference.ffn import check_ffn_args, check_gate_args
+
+
+def _kernel_checks(x: Tensor) -> None:
+    if not x.is_cuda:
+        raise ValueError(f"the TwELL kernels run on CUDA tensors; x is on {x.device} (use twell.reference on CPU)")
+    if x.shape[1] % 64:
+        raise ValueError(f"the TwELL kernels need D to be a multiple of 64, got D={x.shape[1]}")
+
+
+def spill_capacity(M: int) -> int:
+    """Words of the gate kernel's spill area (same rule as csrc/bindings.cpp)."""
+    return max(1 << 20, M * 64)
+
+
+@torch.library.custom_op("twell::gate", mutates_args=())
+def _gate_op(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> tuple[Tensor, Tensor]:
+    packed, spill = load().gate_twell(x, w_gate, tile, compression)
+    return packed, spill
+
+
+@_gate_op.register_fake
+def _(x, w_gate, tile, compression):
+    n_tiles = -(-w_gate.shape[0] // tile)
+    packed = x.new_empty((x.shape[0], n_tiles * (tile // compression)), dtype=torch.uint32)
+    return packed, x.new_empty((spill_capacity(x.shape[0]) + 1,), dtype=torch.uint32)
+
+
+@torch.library.custom_op("twell::ffn", mutates_args=())
+def _ffn_op(x: Tensor, packed: Tensor, spill: Optional[Tensor], w_act: Optional[Tensor], w_up: Optional[Tensor],
+            w_down_t: Tensor, tile: int, compression: int) -> Tensor:
+    return load().ffn_forward(x, packed, spill, w_act, w_up, w_down_t, tile, compression)
+
+
+@_ffn_op.register_fake
+def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression):
+    return x.new_empty((packed.shape[0], w_down_t.shape[1]))
+
+
+def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D])."""
+    check_gate_args(x, w_gate, tile, compression)
+    _kernel_checks(x)
+    if tile not in (64, 128, 256):
+        raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
+    if w_gate.shape[0] > 1 << 16:
+        raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
+    packed, spill = _gate_op(x, w_gate, tile, compression)
+    return TwELL(packed, None, None, w_gate.shape[0], tile, compression, source=(x, w_gate), spill=spill)
+
+
+def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor) -> Tensor:
+    _kernel_checks(x)
+    if x.shape[1] > 2048:
+        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+    w_act = gate.source[1] if gate.source is not None else None
+    out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression)
+    if w_act is None and gate.n_overflow_rows:
+        rows, h = gate.overflow_rows, gate.overflow_dense.float()
+        if w_up is not None:
+            h = h * (x[rows].float() @ w_up.float().t())
+        out[rows] = (h @ w_down_t.float()).to(out.dtype)
+    return out
+
+
+def twell_gated_ffn(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``, exact on overflow."""
+    check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
+    return _ffn(x, gate, w_up, w_down_t)
+
+
+def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
+    """Non-gated FFN, bf16 [M, D]: ``act @ w_down_t`` (act = twell_gate(x, w_up))."""
+    if not isinstance(act, TwELL):
+        raise TypeError(f"act: expected a twell.formats.TwELL, got {type(act).__name__}")
+    check_tensor("w_down_t", w_down_t, dtype=torch.bfloat16, shape=(act.n_cols, "D"), device=act.device,
+                 contiguous=True)
+    if act.source is not None:
+        x = act.source[0]
+    else:  # no x needed by the kernel in this case; pass a correctly shaped placeholder
+        x = torch.empty(act.n_rows, w_down_t.shape[1], dtype=torch.bfloat16, device=act.device)
+    return _ffn(x, act, None, w_down_t)
+
+
+def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
+                     compression: int = 8) -> Tensor:
+    """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel."""
+    return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
+
+
+def dense_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """The dense cuBLAS baseline (for symmetry with twell.reference)."""
+    return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

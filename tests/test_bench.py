@@ -1,0 +1,329 @@
+"""Tests of twell.bench: the calibrated sparsity generator and the FFN benchmark harness (CPU)."""
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from twell.bench.generator import (FFNInputs, bisect_bias, calibrated_ffn_inputs, gate_activation,
+                                   sparsity_stats)
+
+
+# ---------------------------------------------------------------- generator
+@pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)])
+def test_generator_small_hits_target(nnz, tail):
+    M, D, H = random.choice([(1000, 256, 1500), (777, 192, 1111), (2048, 128, 2304)])
+    seed = random.randrange(1 << 30)
+    inp = calibrated_ffn_inputs(M, D, H, nnz, tail, seed=seed)
+    assert isinstance(inp, FFNInputs)
+    assert inp.x.shape == (M, D) and inp.w_gate.shape == (H, D)
+    assert inp.w_up.shape == (H, D) and inp.w_down.shape == (D, H)
+    assert all(t.dtype == torch.bfloat16 for t in (inp.x, inp.w_gate, inp.w_up, inp.w_down))
+    assert inp.nnz == nnz and inp.tail == tail and math.isfinite(inp.bias)
+    stats = sparsity_stats(gate_activation(inp))
+    # bf16 rounding moves a few near-threshold entries; the mean stays within a few percent.
+    assert abs(stats["mean_active"] - nnz) / nnz < 0.03, stats
+    assert stats["max_active"] >= stats["max_per_tile"] >= 1
+
+
+@pytest.mark.slow
+def test_generator_real_width_hits_target():
+    """The real D=2048, H=5632 at M=8192 (the smallest benchmark M)."""
+    inp = calibrated_ffn_inputs(8192, 2048, 5632, 29, 0.35, seed=random.randrange(1 << 30))
+    stats = sparsity_stats(gate_activation(inp))
+    assert abs(stats["mean_active"] - 29) / 29 < 0.02, stats
+    assert stats["max_active"] > 200  # heavy tail: rows with hundreds of active neurons
+
+
+def test_generator_tail_raises_max():
+    M, D, H = 2048, 256, 2048
+    light = sparsity_stats(gate_activation(calibrated_ffn_inputs(M, D, H, 29, 0.1, seed=3)))
+    heavy = sparsity_stats(gate_activation(calibrated_ffn_inputs(M, D, H, 29, 0.35, seed=3)))
+    assert abs(light["mean_active"] - heavy["mean_active"]) < 2.0
+    assert heavy["max_active"] > 1.5 * light["max_active"], (light, heavy)
+    assert heavy["p99_active"] > light["p99_active"]
+
+
+def test_generator_is_deterministic_and_seeded():
+    a = calibrated_ffn_inputs(300, 64, 500, 8, 0.1, seed=11)
+    b = calibrated_ffn_inputs(300, 64, 500, 8, 0.1, seed=11)
+    c = calibrated_ffn_inputs(300, 64, 500, 8, 0.1, seed=12)
+    assert torch.equal(a.x, b.x) and torch.equal(a.w_gate, b.w_gate) and a.bias == b.bias
+    assert not torch.equal(a.x, c.x)
+    assert torch.all(a.x[:, 0] == 1)
+
+
+def test_generator_dtype_and_device_args():
+    inp = calibrated_ffn_inputs(64, 32, 96, 4, 0.2, seed=1, device="cpu", dtype=torch.float32)
+    assert inp.x.dtype == torch.float32 and inp.x.device.type == "cpu"
+    h = gate_activation(inp)
+    assert h.shape == (64, 96) and h.dtype == torch.float32 and bool((h >= 0).all())
+
+
+@pytest.mark.parametrize("bad", [dict(nnz=0), dict(nnz=96), dict(tail=-1.0), dict(M=0), dict(D=1)])
+def test_generator_rejects_bad_args(bad):
+    kw = dict(M=64, D=32, H=96, nnz=4, tail=0.1)
+    kw.update(bad)
+    with pytest.raises(ValueError):
+        calibrated_ffn_inputs(**kw)
+
+
+def test_bisect_bias_exact_count():
+    z = torch.randn(4001, 513)
+    target = random.randint(1, z.numel() - 1)
+    b = bisect_bias(z, target)
+    assert abs(int((z > b).sum()) - target) <= 1
+
+
+def test_sparsity_stats_known_pattern():
+    h = torch.zeros(3, 600, dtype=torch.bfloat16)
+    h[0, :40] = 1.0          # 40 active, all in tile 0 (> 31 slots -> overflow row)
+    h[1, 250:262] = 2.0      # 12 active straddling tiles 0 and 1 (6 + 6)
+    h[2, 599] = 0.5          # last, partial tile
+    s = sparsity_stats(h, tile=256, compression=8)
+    assert s["mean_active"] == pytest.approx((40 + 12 + 1) / 3)
+    assert s["max_active"] == 40 and s["min_active"] == 1
+    assert s["max_per_tile"] == 40
+    assert s["overflow_rows"] == 1 and s["overflow_tiles"] == 1 and s["twell_slots"] == 31
+    with pytest.raises(ValueError):
+        sparsity_stats(torch.zeros(4))
+
+
+# ---------------------------------------------------------------- harness (CPU, tiny shapes)
+from twell.bench import ffn as bench_ffn  # noqa: E402
+from twell.bench.__main__ import main as bench_main  # noqa: E402
+from twell.bench.registry import ImplUnavailable, Registry, default_registry  # noqa: E402
+from twell.bench.timing import Timing, time_alternating  # noqa: E402
+
+
+def _tiny_cfg(tmp_path, **kw):
+    base = dict(device="cpu", shapes="inference", cases=("nnz8", "nnz29-heavy"), Ms=(96,), D=64, H=320,
+                odd_M=37, odd_H=300, train_M=64, impls=(), reps=3, warmup=1, energy=False, fp32_check=False,
+                out=tmp_path)
+    base.update(kw)
+    return bench_ffn.BenchConfig(**base)
+
+
+def _masked_ffn(x, w_gate, w_up, w_down_t):
+    """A correct 'sparse' implementation written differently from the dense baseline (fp32 math)."""
+    h = torch.relu(x.float() @ w_gate.float().t())
+    return ((h * (x.float() @ w_up.float().t())) @ w_down_t.float()).to(torch.bfloat16)
+
+
+def _registry(**impls):
+    reg = Registry()
+    for name, fn in impls.items():
+        reg.register_fn(name, fn)
+    return reg
+
+
+def test_harness_correct_impl_passes_and_writes_outputs(tmp_path):
+    cfg = _tiny_cfg(tmp_path, impls=("masked",))
+    result = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False).run()
+    assert result["failures"] == [] and bench_ffn.exit_code(result) == 0
+    assert len(result["cases"]) == 4  # 1 M x 2 sparsities + odd shape x 2
+    for rec in result["cases"]:
+        r = rec["impls"]["masked"]
+        assert r["ok"] and r["rel_err"] < 1e-2 and r["nonfinite"] == 0
+        assert r["speedup"] == pytest.approx(rec["dense"]["timing"]["median_ms"] / r["timing"]["median_ms"])
+        assert rec["gate"]["timing"]["median_ms"] > 0 and rec["ceiling"] > 0
+        assert rec["dense"]["timing"]["reps"] == 3
+        assert abs(rec["sparsity"]["mean_active"] - rec["case"]["nnz"]) / rec["case"]["nnz"] < 0.1
+    odd = [r for r in result["cases"] if r["case"]["kind"] == "odd"]
+    assert odd and all(r["case"]["M"] % 256 and r["case"]["H"] % 256 for r in odd)
+    jpath, mpath = bench_ffn.write_outputs(result, tmp_path, tag="t")
+    data = json.loads(jpath.read_text())
+    for key in ("timestamp", "device_name", "torch", "cuda", "config", "clock", "protocol"):
+        assert key in data["meta"]
+    assert "NOT the benchmark protocol" in data["meta"]["protocol"]
+    md = mpath.read_text()
+    assert "| masked |" in md and "FAIL" not in md and "NOT the benchmark protocol" in md
+    assert "gate GEMM ms (floor)" in md and "ceiling" in md
+
+
+@pytest.mark.parametrize("kind", ["scaled", "drops_heavy_rows", "nan", "raises", "wrong_shape"])
+def test_harness_flags_wrong_impl(tmp_path, kind):
+    def wrong(x, w_gate, w_up, w_down_t):
+        out = _masked_ffn(x, w_gate, w_up, w_down_t)
+        if kind == "scaled":
+            return out * 1.05
+        if kind == "drops_heavy_rows":  # like a kernel that mishandles overflow rows
+            h = torch.relu(x.float() @ w_gate.float().t())
+            out[(h > 0).sum(1) > 60] = 0
+            return out
+        if kind == "nan":
+            out[-1, -1] = float("nan")
+            return out
+        if kind == "raises":
+            raise RuntimeError("kernel launch failed")
+        return out[:, :-1]
+
+    cfg = _tiny_cfg(tmp_path, impls=("good", "wrong"), cases=("nnz29-heavy",), Ms=(400,), D=64, H=1024)
+    reg = _registry(good=_masked_ffn, wrong=wrong)
+    result = bench_ffn.BenchRunner(cfg, registry=reg, progress=False).run()
+    assert bench_ffn.exit_code(result) == 1
+    assert result["failures"] and all(": wrong:" in f for f in result["failures"])
+    for rec in result["cases"]:
+        assert rec["impls"]["good"]["ok"]
+        assert not rec["impls"]["wrong"]["ok"]
+    md = bench_ffn.markdown_report(result)
+    assert "CORRECTNESS FAILURES" in md and "**FAIL**" in md
+    if kind == "raises":
+        assert "kernel launch failed" in md
+
+
+def test_harness_unavailable_impl_exit_code(tmp_path):
+    def factory():
+        raise ImplUnavailable("needs an H100")
+
+    reg = Registry()
+    reg.register("kernel", factory)
+    cfg = _tiny_cfg(tmp_path, impls=("kernel", "nonexistent"), shapes="odd", cases=("nnz8",))
+    runner = bench_ffn.BenchRunner(cfg, registry=reg, progress=False)
+    assert "needs an H100" in runner.unavailable["kernel"] and "unknown" in runner.unavailable["nonexistent"]
+    result = runner.run()
+    assert result["failures"] == [] and bench_ffn.exit_code(result) == 2
+    assert "needs an H100" in bench_ffn.markdown_report(result)
+
+
+def test_harness_training_cases(tmp_path):
+    def good(x, w_gate, w_up, w_down):
+        h = torch.relu(x @ w_gate.t())
+        return (h * (x @ w_up.t())) @ w_down.t(), h.abs().sum(-1).float().mean()
+
+    def bad_l1(x, w_gate, w_up, w_down):
+        out, l1 = good(x, w_gate, w_up, w_down)
+        return out, 2 * l1  # wrong L1 term: gradients of w_gate change too
+
+    reg = Registry()
+    reg.register_fn("good", good, kind="training")
+    reg.register_fn("bad", bad_l1, kind="training")
+    cfg = _tiny_cfg(tmp_path, shapes="train", cases=("nnz29",), train_impls=("good", "bad"))
+    result = bench_ffn.BenchRunner(cfg, registry=reg, progress=False).run()
+    (rec,) = result["cases"]
+    assert rec["case"]["kind"] == "train" and rec["case"]["M"] == 64
+    assert rec["impls"]["good"]["ok"], rec["impls"]["good"]
+    assert not rec["impls"]["bad"]["ok"] and rec["impls"]["bad"]["rel_err_parts"]["l1"] > 0.5
+    assert rec["dense"]["timing"]["median_ms"] > 0
+    assert bench_ffn.exit_code(result) == 1
+    assert "Training FFN" in bench_ffn.markdown_report(result)
+
+
+def test_harness_reference_impl(tmp_path):
+    """The registered pure-PyTorch TwELL reference passes the protocol, heavy tail and odd shape included."""
+    cfg = _tiny_cfg(tmp_path, impls=("twell-reference",), cases=("nnz29", "nnz29-heavy"), Ms=(300,), H=600,
+                    fp32_check=True)
+    partials = []
+    result = bench_ffn.BenchRunner(cfg, registry=default_registry(), progress=False).run(on_case=partials.append)
+    assert result["unavailable"] == {} and result["complete"]
+    assert result["failures"] == [], result["failures"]
+    assert any(r["sparsity"]["overflow_rows"] > 0 for r in result["cases"])  # overflow path exercised
+    for r in result["cases"]:
+        # Context numbers: both bf16 computations sit well inside the tolerance of an fp32 FFN.
+        assert r["dense"]["rel_err_vs_fp32"] < 1e-2 and r["impls"]["twell-reference"]["rel_err_vs_fp32"] < 1e-2
+    assert [len(p["cases"]) for p in partials] == list(range(1, len(result["cases"])))
+    assert not partials[0]["complete"] and "PARTIAL RESULTS" in bench_ffn.markdown_report(partials[0])
+
+
+def test_default_registry_kernel_unavailable_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(ImplUnavailable, match="CUDA"):
+        default_registry().resolve("twell-kernel")
+
+
+def test_registry_rejects_duplicates_and_bad_kind():
+    reg = Registry()
+    reg.register_fn("a", _masked_ffn)
+    with pytest.raises(ValueError):
+        reg.register_fn("a", _masked_ffn)
+    with pytest.raises(ValueError):
+        reg.register_fn("b", _masked_ffn, kind="bogus")
+    with pytest.raises(ValueError, match="reserved"):
+        reg.register_fn("dense", _masked_ffn)
+
+
+def test_cli_writes_json_and_markdown(tmp_path, capsys):
+    code = bench_main(["ffn", "--shapes", "odd", "--cases", "nnz8", "--D", "64", "--odd-M", "45", "--odd-H", "200",
+                       "--reps", "2", "--out", str(tmp_path), "--quiet", "--tag", "cli"])
+    assert code == 0
+    js, mds = list(tmp_path.glob("ffn-*-cli.json")), list(tmp_path.glob("ffn-*-cli.md"))
+    assert len(js) == 1 and len(mds) == 1
+    data = json.loads(js[0].read_text())
+    assert data["cases"][0]["impls"]["twell-reference"]["ok"]
+    assert "| odd nnz8 |" in capsys.readouterr().out
+
+
+def test_cli_unknown_impl_exits_nonzero(tmp_path):
+    code = bench_main(["ffn", "--shapes", "odd", "--cases", "nnz8", "--D", "64", "--odd-M", "20", "--odd-H", "100",
+                       "--reps", "1", "--out", str(tmp_path), "--quiet", "--impl", "no-such-impl"])
+    assert code == 2
+
+
+def test_build_cases_and_bad_names():
+    cfg = bench_ffn.BenchConfig(device="cpu").resolved()
+    cases = bench_ffn.build_cases(cfg)
+    kinds = [c.kind for c in cases]
+    assert kinds.count("inference") == 4 * len(cfg.Ms) and kinds.count("odd") == 4 and kinds.count("train") == 4
+    assert all(c.M % 256 and c.H % 256 for c in cases if c.kind == "odd")
+    with pytest.raises(ValueError, match="unknown cases"):
+        bench_ffn.build_cases(bench_ffn.BenchConfig(device="cpu", cases=("nnz7",)).resolved())
+    with pytest.raises(ValueError, match="shapes"):
+        bench_ffn.build_cases(bench_ffn.BenchConfig(device="cpu", shapes="everything").resolved())
+
+
+def test_protocol_shapes_on_cuda_config():
+    cfg = bench_ffn.BenchConfig(device="cuda").resolved()
+    assert cfg.Ms == (8192, 65536, 131072) and (cfg.D, cfg.H) == (2048, 5632) and cfg.train_M == 16384
+    assert cfg.odd_M % 256 and cfg.odd_H % 256 and cfg.reps >= 30 and cfg.impls == ("twell-kernel",)
+
+
+def test_time_alternating_cpu_order_and_stats():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    res = time_alternating(fns, "cpu", reps=5, warmup=2)
+    assert order == ["a", "b"] * 7  # warm-up and timed calls alternate
+    assert set(res) == {"a", "b"} and all(isinstance(t, Timing) and t.reps == 5 for t in res.values())
+    assert res["a"].min_ms <= res["a"].median_ms <= res["a"].max_ms
+    with pytest.raises(ValueError):
+        time_alternating(fns, "cpu", reps=0)
+
+
+def test_rel_error():
+    a = torch.randn(50, 7)
+    assert bench_ffn.rel_error(a, a) == 0.0
+    assert bench_ffn.rel_error(a * 1.01, a) == pytest.approx(0.01, rel=1e-3)
+    b = a.clone()
+    b[3, 3] = float("nan")
+    assert math.isnan(bench_ffn.rel_error(b, a))
+    with pytest.raises(ValueError):
+        bench_ffn.rel_error(a[:, :6], a)
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_harness_poison_catches_unwritten_output(tmp_path):
+    """On CUDA an implementation that allocates its output but never writes it must read back NaN."""
+    def lazy(x, w_gate, w_up, w_down_t):
+        return torch.empty(x.shape[0], w_down_t.shape[1], dtype=torch.bfloat16, device=x.device)
+
+    # Outputs above 1 MB (large allocator pool), like every protocol shape.
+    cfg = _tiny_cfg(tmp_path, device="cuda", impls=("good", "lazy"), cases=("nnz29",), Ms=(4096,), D=512, H=1536,
+                    odd_M=3001, odd_H=1000, energy=True, energy_seconds=0.3)
+    result = bench_ffn.BenchRunner(cfg, registry=_registry(good=_masked_ffn, lazy=lazy), progress=False).run()
+    for rec in result["cases"]:
+        assert rec["impls"]["good"]["ok"]
+        lazy_res = rec["impls"]["lazy"]
+        assert lazy_res["poison_hit"] and not lazy_res["ok"] and lazy_res["nonfinite"] > 0
+        assert rec["dense"]["timing"]["clock"] == "cuda-events"
+        assert rec["dense"]["peak_bytes_above_inputs"] > 0
+        if result["meta"]["energy_note"] is None:
+            assert rec["dense"]["joules_per_token"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_generator_device_matches_cpu():
+    a = calibrated_ffn_inputs(512, 128, 640, 8, 0.1, seed=5, device="cuda")
+    b = calibrated_ffn_inputs(512, 128, 640, 8, 0.1, seed=5, device="cpu")
+    assert a.x.is_cuda and torch.equal(a.x.cpu(), b.x) and torch.equal(a.w_gate.cpu(), b.w_gate)

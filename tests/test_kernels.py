@@ -1,0 +1,229 @@
+"""CUDA kernels against the pure-PyTorch references (GPU only; skipped and counted without CUDA).
+
+Tolerance rule (STYLE.md): a kernel's relative error against an fp64 reference must stay within a
+small multiple of the error dense bf16 PyTorch makes on the same inputs. Fresh random inputs every
+call; outputs poisoned with NaN beforehand so an unwritten element fails.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twell import kernels, reference
+from twell.formats import pack_twell
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_ready():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = kernels.available()
+    assert ok, f"kernels unavailable on this GPU machine: {why}"
+
+
+def poison_allocator(shape, dtype):
+    """Fill a block of the output's size with 0xFF bytes (NaN in bf16, an impossible TwELL count)
+    and free it: the caching allocator hands it to the op's output. Returns its address so the test
+    can assert the output really landed there (otherwise the poisoning would prove nothing)."""
+    t = torch.empty(shape, dtype=dtype, device="cuda")
+    t.view(torch.uint8).fill_(0xFF)
+    ptr = t.data_ptr()
+    del t
+    return ptr
+
+
+def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), zero_rows=()):
+    """BENCHMARK.md-style inputs: per-row scale exp(tail * N(0,1)), column 0 = 1 carries the offset."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    x = torch.randn(M, D, generator=g) * torch.exp(tail * torch.randn(M, 1, generator=g))
+    x[:, 0] = 1
+    w_gate = torch.randn(H, D, generator=g) / math.sqrt(D)
+    o = 0.3 * torch.randn(H, generator=g)
+    if offset is None:  # target nnz: threshold of a standard normal score
+        from statistics import NormalDist
+        offset = -NormalDist().inv_cdf(min(0.999, nnz / H)) if nnz else 0.0
+    w_gate[:, 0] = -(offset + o)
+    for r in dense_rows:
+        x[r, 1:] *= 50.0  # every neuron crosses the threshold on a good share of these rows
+        x[r, 0] = 1.0
+    for r in zero_rows:
+        x[r] = 0.0
+        x[r, 0] = 1.0  # only the (negative) offsets remain: no neuron active
+    w_up = torch.randn(H, D, generator=g) / math.sqrt(D)
+    w_down = torch.randn(D, H, generator=g) / math.sqrt(H)
+    return [t.to(torch.bfloat16).cuda() for t in (x, w_gate, w_up, w_down)]
+
+
+def rel(a, ref):
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def fp64_ffn(x, wg, wu, wd, gated=True):
+    x, wu, wd = x.double(), wu.double(), wd.double()
+    h = F.relu(x @ wg.double().t()) * (x @ wu.t()) if gated else F.relu(x @ wu.t())
+    return h @ wd.t()
+
+
+def check_ffn(out, x, wg, wu, wd, gated=True, factor=3.0):
+    ref = fp64_ffn(x, wg, wu, wd, gated)
+    dense = reference.dense_gated_ffn(x, wg, wu, wd) if gated else F.linear(F.relu(F.linear(x, wu)), wd)
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    err, base = rel(out, ref), rel(dense, ref)
+    assert err <= factor * base + 1e-4, f"kernel rel. error {err:.3e} vs dense bf16 {base:.3e}"
+    return err, base
+
+
+SHAPES = [(1, 64, 256), (7, 128, 300), (129, 2048, 5632), (1000, 320, 1000), (4097, 2048, 5632), (300, 1024, 64)]
+
+
+@pytest.mark.parametrize("M,D,H", SHAPES)
+@pytest.mark.parametrize("tile,compression", [(256, 8), (128, 4), (64, 2), (256, 2)])
+def test_gate_kernel_matches_reference(M, D, H, tile, compression):
+    x, wg, _, _ = inputs(M, D, H, nnz=min(H // 4, 29), tail=0.35)
+    n_tiles, S = -(-H // tile), tile // compression
+    ptr = poison_allocator((M, n_tiles * S), torch.uint32)
+    t = kernels.twell_gate(x, wg, tile, compression)
+    assert t.packed.data_ptr() == ptr
+    t.validate()  # counts in range, columns inside their tile, no zeros, overflow consistent
+    ref = F.relu(F.linear(x, wg))
+    # Activity may differ only where the pre-activation is ~0 (different summation order).
+    g = (x.double() @ wg.double().t())
+    kc, rc = t.counts(), pack_twell(ref, tile, compression).counts()
+    unpacked = t.unpack()
+    differs = (unpacked != 0) != (ref != 0)
+    assert (g.abs()[differs] < 1e-2).all(), "activity differs away from the threshold"
+    assert (kc - rc).abs().max() <= 2
+    torch.testing.assert_close(unpacked.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M,D,H", SHAPES)
+@pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)])
+def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail):
+    x, wg, wu, wd = inputs(M, D, H, nnz=min(nnz, H // 2), tail=tail)
+    wdt = wd.t().contiguous()
+    gate = kernels.twell_gate(x, wg)
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+
+
+def test_overflow_dense_and_zero_rows_are_exact():
+    M, D, H = 777, 2048, 5632
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[0, 5, 400], zero_rows=[1, 2, 776])
+    gate = kernels.twell_gate(x, wg)
+    gate.validate()
+    # Overflowing tile rows are spilled (stored exactly), so no row needs a dense backup.
+    assert gate.n_spilled_tiles >= 3 * 22 and gate.n_overflow_rows == 0
+    assert torch.equal(gate.unpack(), F.relu(F.linear(x, wg))) or \
+        ((gate.unpack().float() - F.relu(F.linear(x, wg)).float()).abs().max() < 0.05)
+    assert gate.nnz_per_row()[[1, 2, 776]].eq(0).all()
+    wdt = wd.t().contiguous()
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+    for r in (0, 5, 400, 1):  # the overflowing rows and a row without active neurons, one by one
+        ref_r = fp64_ffn(x[r:r + 1], wg, wu, wd)
+        dense_r = reference.dense_gated_ffn(x[r:r + 1], wg, wu, wd)
+        assert rel(out[r:r + 1], ref_r) <= 3 * rel(dense_r, ref_r) + 1e-4
+    # A fully dense activation (every row overflows) is still exact.
+    xd, wgd, wud, wdd = inputs(64, 256, 512, offset=-3.0)
+    assert kernels.twell_gate(xd, wgd).n_spilled_tiles == 64 * 2
+    check_ffn(kernels.sparse_gated_ffn(xd, wgd, wud, wdd.t().contiguous()), xd, wgd, wud, wdd)
+
+
+def test_overflow_without_spill_is_recomputed_in_kernel():
+    """A TwELL whose overflowing tiles are neither spilled nor backed up densely, but which knows
+    (x, w_gate): the fused kernel recomputes those tiles neuron by neuron."""
+    from twell.formats import TwELL
+
+    x, wg, wu, wd = inputs(300, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9, 100])
+    packed = pack_twell(F.relu(F.linear(x, wg))).packed
+    gate = TwELL(packed, None, None, wg.shape[0], source=(x, wg))
+    assert gate.n_overflow_rows >= 3
+    wdt = wd.t().contiguous()
+    ptr = poison_allocator((300, 512), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+
+
+def test_reference_packed_twell_uses_its_dense_backup():
+    x, wg, wu, wd = inputs(500, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9])
+    gate = pack_twell(F.relu(F.linear(x, wg)))  # no source: overflow rows come from the backup
+    assert gate.source is None and gate.n_overflow_rows >= 2
+    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    check_ffn(out, x, wg, wu, wd)
+
+
+@pytest.mark.parametrize("M,D,H", [(100, 256, 300), (4096, 2048, 5632)])
+def test_non_gated_ffn_matches_reference(M, D, H):
+    x, _, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[0])
+    # non-gated: the activation is relu(x @ w_up.T); give w_up the offsets of a sparse gate
+    g = torch.Generator().manual_seed(1)
+    wu = wu.float().cpu()
+    wu[:, 0] = -(2.5 + 0.3 * torch.randn(H, generator=g))
+    wu = wu.to(torch.bfloat16).cuda()
+    out = kernels.twell_ffn(kernels.twell_gate(x, wu), wd.t().contiguous())
+    check_ffn(out, x, None, wu, wd, gated=False)
+
+
+def test_bad_inputs_raise_clearly():
+    x, wg, wu, wd = inputs(64, 256, 300, nnz=10)
+    wdt = wd.t().contiguous()
+    with pytest.raises(TypeError, match="bfloat16"):
+        kernels.twell_gate(x.float(), wg)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernels.twell_gate(x[:, :100].contiguous(), wg[:, :100].contiguous())
+    with pytest.raises(ValueError, match="CUDA"):
+        kernels.twell_gate(x.cpu(), wg.cpu())
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.twell_gate(x.t().contiguous().t(), wg)
+    with pytest.raises(ValueError, match="device|on cuda"):
+        kernels.twell_gate(x, wg.cpu())
+    gate = kernels.twell_gate(x, wg)
+    with pytest.raises(ValueError, match="w_down_t"):
+        kernels.twell_gated_ffn(x, gate, wu, wd)  # W_down not transposed: [D, H]
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.twell_gate(x, wg, tile=256, compression=3)
+
+
+def test_torch_compile_and_cuda_graphs():
+    x, wg, wu, wd = inputs(1024, 2048, 5632, nnz=29)
+    wdt = wd.t().contiguous()
+    eager = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+    compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=False)
+    torch.testing.assert_close(compiled(x, wg, wu, wdt), eager)
+    static_x = x.clone()
+    kernels.sparse_gated_ffn(static_x, wg, wu, wdt)  # warm-up outside capture (build, attributes)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = kernels.sparse_gated_ffn(static_x, wg, wu, wdt)
+    x2, _, _, _ = inputs(1024, 2048, 5632, nnz=29)
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt))
+
+
+def test_module_uses_kernels_on_gpu():
+    from twell.nn import SparseFFN
+
+    x, wg, wu, wd = inputs(300, 2048, 5632, nnz=29)
+    ffn = SparseFFN(2048, 5632).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ffn.gate_proj.weight.copy_(wg)
+        ffn.up_proj.weight.copy_(wu)
+        ffn.down_proj.weight.copy_(wd)
+        ffn.path = "auto"
+        out = ffn(x)
+        assert ffn.last_path == "twell-kernel"
+        ffn.path = "reference"
+        ref = ffn(x)
+        assert ffn.last_path == "twell-reference"
+    check_ffn(out, x, wg, wu, wd)
+    assert rel(out, ref.double()) < 1e-2

@@ -1,0 +1,187 @@
+"""Tests of twell.kernels.build: flags, build-cache hashing, available() reasons, the JIT loader."""
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import twell.kernels as kernels
+from twell.kernels import build
+
+DATA = Path(__file__).parent / "data"
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                               reason="needs a C++ compiler (c++) and ninja on PATH")
+
+
+def _spec_in(tmp_path, files: dict[str, str], **kw) -> build.ExtensionSpec:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return build.ExtensionSpec.from_dir(tmp_path, build_root=tmp_path / "cache", **kw)
+
+
+def test_flags_in_one_place():
+    assert "-gencode=arch=compute_90a,code=sm_90a" in build.NVCC_FLAGS
+    for flag in ("-O3", "-lineinfo", "-std=c++17"):
+        assert flag in build.NVCC_FLAGS
+    assert not any("fast_math" in f or "fast-math" in f for f in build.NVCC_FLAGS + build.CXX_FLAGS)
+    assert "-O3" in build.CXX_FLAGS
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_ext")
+    assert spec.nvcc_flags == build.NVCC_FLAGS and spec.cxx_flags == build.CXX_FLAGS
+
+
+def test_fingerprint_tracks_sources_headers_and_flags(tmp_path):
+    a = _spec_in(tmp_path, {"k.cu": "__global__ void k() {}\n", "common.cuh": "#pragma once\n"})
+    assert [p.name for p in a.sources] == ["k.cu"] and [p.name for p in a.headers] == ["common.cuh"]
+    assert a.fingerprint() == build.ExtensionSpec.from_dir(tmp_path, build_root=tmp_path / "cache").fingerprint()
+    h0 = a.fingerprint()
+    (tmp_path / "k.cu").write_text("__global__ void k() { }\n")  # one byte differs
+    h1 = a.fingerprint()
+    (tmp_path / "common.cuh").write_text("#pragma once\n#define X 1\n")
+    h2 = a.fingerprint()
+    h3 = build.ExtensionSpec(a.sources, a.headers, nvcc_flags=a.nvcc_flags + ("-DDEBUG",)).fingerprint()
+    h4 = build.ExtensionSpec(a.sources, a.headers, cxx_flags=("-O2",)).fingerprint()
+    assert len({h0, h1, h2, h3, h4}) == 5
+    assert all(len(h) == 16 and int(h, 16) >= 0 for h in (h0, h1))
+    (tmp_path / "b.cpp").write_text("// another source\n")
+    assert build.ExtensionSpec.from_dir(tmp_path).fingerprint() != h2
+
+
+def test_fingerprint_tracks_torch_version(tmp_path, monkeypatch):
+    spec = _spec_in(tmp_path, {"k.cu": "__global__ void k() {}\n"})
+    before = spec.fingerprint()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert spec.fingerprint() != before
+
+
+def test_build_dir_location(tmp_path, monkeypatch):
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_ext")
+    monkeypatch.setenv("TWELL_BUILD_DIR", str(tmp_path / "root"))
+    assert spec.build_dir == tmp_path / "root" / f"ext-{spec.fingerprint()}"
+    monkeypatch.delenv("TWELL_BUILD_DIR")
+    assert spec.build_dir == Path.home() / ".cache" / "twell" / f"ext-{spec.fingerprint()}"
+    assert spec.module_name.startswith(build.EXTENSION_NAME + "_") and spec.fingerprint()[:10] in spec.module_name
+
+
+def test_default_sources_are_every_cu_and_cpp(tmp_path):
+    for name in ("b.cu", "a.cpp", "c.cuh", "d.h", "notes.md"):
+        (tmp_path / name).write_text("")
+    assert [p.name for p in build.default_sources(tmp_path)] == ["a.cpp", "b.cu"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons given on a machine without CUDA")
+def test_available_says_why_not_on_cpu(monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("available() must not build when CUDA is missing")
+
+    monkeypatch.setattr(build.ExtensionLoader, "load", no_build)
+    for b in (False, True):
+        ok, why = kernels.available(build=b)
+        assert ok is False and "CUDA" in why, why
+
+
+def _fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3"):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+
+
+def test_available_reasons_with_faked_devices(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(build.ExtensionLoader, "load", lambda self, *a, **k: calls.append(1) or "module")
+    _fake_gpu(monkeypatch, (8, 0), "NVIDIA A100")
+    ok, why = kernels.available()
+    assert not ok and "sm_80" in why and "sm_90" in why and "A100" in why and not calls
+
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    ok, why = kernels.available()
+    assert not ok and "nvcc" in why and "CUDA_HOME" in why and not calls
+
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(build, "csrc_dir", lambda: tmp_path)  # empty: no sources
+    ok, why = kernels.available()
+    assert not ok and "no .cu/.cpp sources" in why and not calls
+
+    (tmp_path / "k.cu").write_text("")
+    ok, why = kernels.available(build=False)
+    assert ok and "not built" in why and not calls
+    ok, why = kernels.available(build=True)
+    assert ok and calls == [1]
+
+    def failing(self, *a, **k):
+        raise build.BuildError("building failed\ncompiler output (tail):\nerror: boom", tmp_path, "error: boom")
+
+    monkeypatch.setattr(build.ExtensionLoader, "load", failing)
+    ok, why = kernels.available()
+    assert not ok and why.startswith("build failed") and "boom" in why
+
+
+@needs_cxx
+def test_build_error_shows_compiler_output_and_cache_path(tmp_path):
+    spec = build.ExtensionSpec.from_dir(DATA / "broken_ext", build_root=tmp_path)
+    loader = build.ExtensionLoader()
+    with pytest.raises(build.BuildError) as info:
+        loader.load(spec)
+    msg = str(info.value)
+    assert "deliberate build failure" in msg and str(spec.build_dir) in msg
+    assert info.value.build_dir == spec.build_dir and "deliberate" in info.value.log_tail
+    assert (spec.build_dir / "build_error.log").is_file()
+    # The failure is remembered for the process: no second compile unless retry=True.
+    t0 = time.perf_counter()
+    with pytest.raises(build.BuildError) as again:
+        loader.load(spec)
+    assert again.value is info.value and time.perf_counter() - t0 < 0.5
+    with pytest.raises(build.BuildError):
+        loader.load(spec, retry=True)
+
+
+@needs_cxx
+def test_loader_builds_loads_and_caches(tmp_path):
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    loader = build.ExtensionLoader()
+    module = loader.load(spec)
+    assert module.add_scaled(1.0, 2.0, 3.0) == 7.0
+    assert loader.load(spec) is module  # cached in the loader object
+    assert Path(module.__file__).parent == spec.build_dir
+    assert (spec.build_dir / "build_info.txt").read_text().startswith(f"module {spec.module_name}")
+
+
+def test_loader_without_sources_raises(tmp_path):
+    with pytest.raises(build.BuildError, match="no .cu/.cpp sources"):
+        build.ExtensionLoader().load(build.ExtensionSpec(sources=(), build_root=tmp_path))
+
+
+def test_kernels_package_forwards_unknown_names_to_ops():
+    with pytest.raises((AttributeError, ImportError)):
+        kernels.definitely_not_an_op_name  # noqa: B018
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_tiny_cuda_extension_builds_and_runs(tmp_path):
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_ext", build_root=tmp_path)
+    loader = build.ExtensionLoader()
+    t0 = time.perf_counter()
+    module = loader.load(spec)
+    print(f"tiny CUDA extension built in {time.perf_counter() - t0:.1f} s")
+    a = torch.randn(1000, 3, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1000, 3, device="cuda", dtype=torch.bfloat16)
+    out = module.add_scaled(a, b, 0.5)
+    ref = (a.float() + 0.5 * b.float()).to(torch.bfloat16)
+    assert torch.equal(out, ref)
+    assert loader.load(spec) is module
+
+
+@pytest.mark.gpu
+def test_gpu_available_builds_csrc():
+    ok, why = kernels.available(build=False)
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        assert not ok and f"sm_{cap[0]}{cap[1]}" in why
+        return
+    assert ok, why
+    ok, why = kernels.available(build=True)
+    assert ok, why  # a build failure of csrc/ fails here with the compiler output
+    assert kernels.load() is kernels.load()
