@@ -2,9 +2,10 @@
 # `make test` = set-up + the test suite (what .ci/run calls).
 PYTHON ?= python3
 PROFILE ?= cpu-smoke
+ONLY ?=
 STAMP := .setup.stamp
 
-.PHONY: setup run test kernels-check clean-reports
+.PHONY: setup run test bench gpu-check clean-reports
 
 $(STAMP): pyproject.toml scripts/ensure_torch.py
 	$(PYTHON) scripts/ensure_torch.py
@@ -14,10 +15,17 @@ $(STAMP): pyproject.toml scripts/ensure_torch.py
 setup: $(STAMP)
 
 run: setup
-	$(PYTHON) -m twell.pipeline --profile $(PROFILE)
+	$(PYTHON) -m twell.pipeline --profile $(PROFILE) $(if $(ONLY),--only $(ONLY))
 
 test: setup
 	$(PYTHON) -m pytest -v
 
 clean-reports:
 	rm -rf reports/notebooks/* reports/figures/* reports/tables/*
+
+bench: setup
+	$(PYTHON) -m twell.bench ffn
+
+# On an H100 machine (builds the kernels, runs the GPU tests and the benchmark).
+gpu-check:
+	bash scripts/gpu_check.sh
