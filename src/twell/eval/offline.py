@@ -1,0 +1,70 @@
+"""Offline mode for the Hugging Face libraries, switched on for one block of code.
+
+``datasets`` and ``huggingface_hub`` read ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` once, at
+import time, into module constants; setting the environment variable later changes nothing. So
+:func:`hf_offline` sets the variables (for anything imported later and for subprocesses) *and*
+the already-imported constants, and restores all of them on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def offline_from_env() -> bool:
+    """True when the environment already asks the Hugging Face libraries to stay offline."""
+    return any(os.environ.get(name, "").upper() in _TRUE for name in _ENV)
+
+
+def resolve_offline(offline: bool | None) -> bool:
+    """``None`` means: follow the environment (see :func:`offline_from_env`)."""
+    return offline_from_env() if offline is None else bool(offline)
+
+
+def _constants() -> list[tuple[object, str]]:
+    """(module, attribute) pairs holding the offline flag the libraries check at call time."""
+    pairs: list[tuple[object, str]] = []
+    try:
+        import huggingface_hub.constants as hub_constants
+
+        pairs.append((hub_constants, "HF_HUB_OFFLINE"))
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers/datasets
+        pass
+    try:
+        import datasets.config as ds_config
+
+        pairs += [(ds_config, name) for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(ds_config, name)]
+    except ImportError:  # pragma: no cover
+        pass
+    return pairs
+
+
+@contextlib.contextmanager
+def hf_offline(enabled: bool = True) -> Iterator[None]:
+    """Within the block, nothing in datasets/huggingface_hub/transformers may use the network.
+
+    ``enabled=False`` is a no-op (the hub path stays available to users with internet).
+    """
+    if not enabled:
+        yield
+        return
+    saved_env = {name: os.environ.get(name) for name in _ENV}
+    saved_constants = [(mod, attr, getattr(mod, attr)) for mod, attr in _constants()]
+    try:
+        for name in _ENV:
+            os.environ[name] = "1"
+        for mod, attr, _ in saved_constants:
+            setattr(mod, attr, True)
+        yield
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for mod, attr, value in saved_constants:
+            setattr(mod, attr, value)
