@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "common.cuh"
 #include "twell_kernels.h"
@@ -66,6 +67,35 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c_inner), "r"(c_outer)
       : "memory");
+}
+
+// TMA load of a box into the same shared-memory offset of every CTA in `mask`, completing on the
+// mbarrier at the same offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c_inner,
+                                                      int c_outer, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c_inner), "r"(c_outer),
+      "h"(mask)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrive on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // Shared-memory matrix descriptor: K-major tile, 128-byte swizzle, 8-row core groups 1024 B apart.
@@ -142,7 +172,11 @@ __device__ __forceinline__ void store_twell_tile_row(const float (&acc)[128], in
   }
 }
 
-template <int T>
+// CL = CTAs per cluster (1 or 2). With CL = 2 the two CTAs of a cluster work on vertically
+// adjacent tiles (same W_gate columns): each loads its own x tile and one half of the W_gate tile,
+// multicast to both, so L2 serves each W_gate tile once per pair of tiles (the kernel is bound by
+// L2->SM traffic otherwise). A stage is refilled only after the consumers of BOTH CTAs released it.
+template <int T, int CL>
 __global__ void __launch_bounds__(384, 1)
     gate_twell_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       uint32_t* __restrict__ out, int M, int H, int D, int S, int n_twell_tiles, Spill spill) {
@@ -154,32 +188,40 @@ __global__ void __launch_bounds__(384, 1)
   const int wg = threadIdx.x / 128;
   const int n_blocks_n = (H + BN - 1) / BN;
   const int n_blocks_m = (M + BM - 1) / BM;
-  const int n_tiles = n_blocks_m * n_blocks_n;
+  const int n_groups = ((n_blocks_m + CL - 1) / CL) * n_blocks_n;  // groups of CL vertically adjacent tiles
   const int k_blocks = D / BK;
+  const uint32_t rank = CL > 1 ? cluster_rank() : 0;
+  const int group0 = blockIdx.x / CL, group_step = gridDim.x / CL;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // one arrival per consumer warp
+      mbar_init(&empty[s], 8 * CL);  // one arrival per consumer warp of every CTA that fills it
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (CL > 1) cluster_sync(); else __syncthreads();
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 1;  // a fresh barrier counts as released once
-      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-        const int m0 = (tile / n_blocks_n) * BM;
-        const int n0 = (tile % n_blocks_n) * BN;
+      for (int g = group0; g < n_groups; g += group_step) {
+        const int m0 = ((g / n_blocks_n) * CL + int(rank)) * BM;
+        const int n0 = (g % n_blocks_n) * BN;
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(&empty[stage], phase);
           uint8_t* a = smem + stage * STAGE_BYTES;
           mbar_expect_tx(&full[stage], STAGE_BYTES);
           tma_load_2d(a, &map_x, &full[stage], kb * BK, m0);
-          tma_load_2d(a + A_BYTES, &map_w, &full[stage], kb * BK, n0);
+          if constexpr (CL == 1) {
+            tma_load_2d(a + A_BYTES, &map_w, &full[stage], kb * BK, n0);
+          } else {
+            constexpr int HALF = BN / CL;
+            tma_load_2d_multicast(a + A_BYTES + rank * HALF * BK * 2, &map_w, &full[stage], kb * BK,
+                                  n0 + int(rank) * HALF, uint16_t((1u << CL) - 1));
+          }
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
       }
@@ -192,9 +234,20 @@ __global__ void __launch_bounds__(384, 1)
     int stage = 0;
     uint32_t phase = 0;
     float acc[128];
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-      const int m0 = (tile / n_blocks_n) * BM;
-      const int nb = tile % n_blocks_n;
+    auto release = [&](int st) {
+      if (lane == 0) {
+        if constexpr (CL == 1) {
+          mbar_arrive(&empty[st]);
+        } else {
+          mbar_arrive(&empty[st]);  // own CTA: plain local arrive
+#pragma unroll
+          for (int r = 1; r < CL; ++r) mbar_arrive_cluster(&empty[st], (rank + uint32_t(r)) % CL);
+        }
+      }
+    };
+    for (int g = group0; g < n_groups; g += group_step) {
+      const int m0 = ((g / n_blocks_n) * CL + int(rank)) * BM;
+      const int nb = g % n_blocks_n;
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       int prev_stage = -1;
@@ -209,12 +262,12 @@ __global__ void __launch_bounds__(384, 1)
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous k-block's products are done: release its buffers
-        if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
+        if (prev_stage >= 0) release(prev_stage);
         prev_stage = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1; }
       }
       wgmma_wait<0>();
-      if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
+      if (prev_stage >= 0) release(prev_stage);
 
       // Epilogue: two rows per thread (hf = 0: row, hf = 1: row + 8), 256/T TwELL tiles each.
 #pragma unroll
@@ -241,6 +294,8 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   }
+  // No CTA may leave while its partner can still multicast into it or arrive on its barriers.
+  if constexpr (CL > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -280,23 +335,47 @@ bool make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_row
   return true;
 }
 
-template <int T>
+template <int T, int CL>
 cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, int H, int S, Spill spill, int device,
                    cudaStream_t stream) {
   CUtensorMap mx, mw;
-  if (!make_map(&mx, x, M, D, BM) || !make_map(&mw, w, H, D, BN)) return cudaErrorInvalidValue;
-  auto kernel = gate_twell_kernel<T>;
+  if (!make_map(&mx, x, M, D, BM) || !make_map(&mw, w, H, D, BN / CL)) return cudaErrorInvalidValue;
+  auto kernel = gate_twell_kernel<T, CL>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err != cudaSuccess) return err;
   int sms = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  const int n_tiles = ((M + BM - 1) / BM) * ((H + BN - 1) / BN);
   if (spill.used != nullptr) {
     err = cudaMemsetAsync(spill.used, 0, sizeof(uint32_t), stream);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<std::min(n_tiles, sms), 384, SMEM_BYTES, stream>>>(mx, mw, out, M, H, D, S, (H + T - 1) / T, spill);
+  const int n_groups = ((((M + BM - 1) / BM) + CL - 1) / CL) * ((H + BN - 1) / BN);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  int clusters = sms / CL;
+  if (CL > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3(clusters * CL);
+    if (getenv("TWELL_DEBUG_LAUNCH")) {
+      int active = 0;
+      cudaError_t q = cudaOccupancyMaxActiveClusters(&active, kernel, &cfg);
+      fprintf(stderr, "twell gate: %d clusters of %d requested, occupancy query says %d (%s)\n", clusters, CL, active,
+              cudaGetErrorString(q));
+      cudaGetLastError();
+    }
+  }
+  cfg.gridDim = dim3(std::min(n_groups, clusters) * CL);
+  err = cudaLaunchKernelEx(&cfg, kernel, mx, mw, out, M, H, D, S, (H + T - 1) / T, spill);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
@@ -314,10 +393,20 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
   if (M == 0) return cudaSuccess;
   if (D % gate::BK != 0 || H > 65536 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
   const gate::Spill sp{spill, spill_used, spill_cap};
+  // TWELL_GATE_CLUSTER=1 selects the single-CTA variant (kept for comparison).
+  static const bool single = [] { const char* e = getenv("TWELL_GATE_CLUSTER"); return e && e[0] == '1'; }();
+  if (single) {
+    switch (tile) {
+      case 256: return gate::launch<256, 1>(x, w, out, M, D, H, S, sp, device, stream);
+      case 128: return gate::launch<128, 1>(x, w, out, M, D, H, S, sp, device, stream);
+      case 64: return gate::launch<64, 1>(x, w, out, M, D, H, S, sp, device, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (tile) {
-    case 256: return gate::launch<256>(x, w, out, M, D, H, S, sp, device, stream);
-    case 128: return gate::launch<128>(x, w, out, M, D, H, S, sp, device, stream);
-    case 64: return gate::launch<64>(x, w, out, M, D, H, S, sp, device, stream);
+    case 256: return gate::launch<256, 2>(x, w, out, M, D, H, S, sp, device, stream);
+    case 128: return gate::launch<128, 2>(x, w, out, M, D, H, S, sp, device, stream);
+    case 64: return gate::launch<64, 2>(x, w, out, M, D, H, S, sp, device, stream);
     default: return cudaErrorInvalidValue;
   }
 }

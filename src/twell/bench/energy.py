@@ -56,8 +56,11 @@ class EnergyMeter:
         bus = getattr(props, "pci_bus_id", None)
         if bus is not None:
             bus_id = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+            # nvidia-ml-py releases differ in which of the two names they export
+            lookup = getattr(pynvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or getattr(
+                pynvml, "nvmlDeviceGetHandleByPciBusId", None)
             try:
-                self.handle = pynvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
+                self.handle = lookup(bus_id) if lookup is not None else None
             except pynvml.NVMLError:
                 self.handle = None
         if self.handle is None:  # older torch without PCI ids: fall back to the index

@@ -1,0 +1,249 @@
+"""twell.reports.kernel_study (notebook 01): verification, benchmark JSON lookup, speedup table and figure."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import types
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+import twell.reference as ref
+from twell.bench.ffn import BenchConfig, BenchRunner
+from twell.paths import repo_root
+from twell.reports import kernel_study as ks
+from twell.reports import save_figure
+
+H100_JSON = repo_root() / "reports" / "bench" / "ffn-v2-H100-20261123T010748Z.json"
+
+
+def _fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+# -- verification ------------------------------------------------------------------------------------
+def test_verify_reference_passes_on_random_odd_shapes():
+    rng = random.Random(_fresh_seed())
+    shapes = [[rng.randrange(2, 300), rng.choice([64, 96, 130]), rng.randrange(100, 700), 8, 0.35],
+              [1, 64, 256, 8, 0.1]]
+    table = ks.verify_ops(ref, shapes, seed=rng.randrange(1000), heavy_rows=3, progress=False)
+    ks.assert_verified(table)
+    assert set(table["op"]) == set(ks.OPS)
+    first = table[table["M"] == shapes[0][0]]
+    assert set(first["rows"]) == {f"heavy ({min(3, shapes[0][0] // 2)})", "other"}
+    assert set(table[table["M"] == 1]["rows"]) == {"all"}  # M = 1: no row can be made heavy
+    # The heavy rows really are heavy: a large share of H active (the target mean is 8).
+    assert (first["nnz max"] >= 0.15 * shapes[0][2]).all() and (first["nnz max"] > 2 * 8).all()
+    assert (table["rel. error vs fp64"] <= 3 * table["dense bf16 error"] + 1e-4).all()
+    assert table["vs reference"].isna().all() and (table["output poisoned"] == "n/a").all()
+
+
+def _broken(**overrides):
+    """The reference ops with some replaced (a stand-in for a buggy kernel)."""
+    ns = types.SimpleNamespace(twell_gate=ref.twell_gate, twell_gated_ffn=ref.twell_gated_ffn,
+                               twell_ffn=ref.twell_ffn)
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_verify_flags_dropped_overflow_rows_and_nan():
+    # Like the published kernels: rows that overflow a tile come out wrong (here: zero).
+    def drop_overflow(x, gate, w_up, w_down_t):
+        out = ref.twell_gated_ffn(x, gate, w_up, w_down_t)
+        out[gate.overflow_mask()] = 0
+        return out
+
+    shapes = [[150, 128, 512, 8, 0.1]]
+    table = ks.verify_ops(_broken(twell_gated_ffn=drop_overflow), shapes, seed=_fresh_seed() % 1000,
+                          heavy_rows=4, progress=False)
+    bad = table[table["ok"] != "yes"]
+    assert list(bad["op"]) == ["fused gated up/down"] and bad["rows"].iloc[0].startswith("heavy")
+    with pytest.raises(AssertionError, match=r"fused gated up/down \(heavy \(4\) rows\)"):
+        ks.assert_verified(table)
+
+    def nan_row(act, w_down_t):
+        out = ref.twell_ffn(act, w_down_t)
+        out[-1, 0] = float("nan")
+        return out
+
+    table = ks.verify_ops(_broken(twell_ffn=nan_row), shapes, heavy_rows=0, progress=False)
+    assert list(table[table["ok"] != "yes"]["op"]) == ["non-gated down"]
+
+    def slightly_off(x, gate, w_up, w_down_t):
+        return (ref.twell_gated_ffn(x, gate, w_up, w_down_t).float() * 1.02).to(torch.bfloat16)
+
+    table = ks.verify_ops(_broken(twell_gated_ffn=slightly_off), shapes, heavy_rows=2, progress=False)
+    assert set(table[table["ok"] != "yes"]["op"]) == {"fused gated up/down"}
+
+
+def test_verify_against_reference_reports_difference():
+    table = ks.verify_ops(ref, [[40, 64, 300, 8, 0.1]], heavy_rows=2, reference=ref, progress=False)
+    assert (table["vs reference"] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 3], [0, 64, 256, 8, 0.1], [8, 64, 256, 300, 0.1], [8, 64, 256, 8, -1],
+                                 "256,2048", [8.0, 64, 256, 8, 0.1]])
+def test_verify_bad_shapes_raise(bad):
+    with pytest.raises(ValueError, match=r"\[M, D, H, nnz, tail\]"):
+        ks.verify_ops(ref, [bad], progress=False)
+
+
+def test_verify_bad_arguments_raise():
+    with pytest.raises(ValueError, match="at least one"):
+        ks.verify_ops(ref, [], progress=False)
+    with pytest.raises(TypeError, match="twell_gated_ffn"):
+        ks.verify_ops(types.SimpleNamespace(twell_gate=ref.twell_gate), [[8, 64, 256, 8, 0.1]], progress=False)
+    with pytest.raises(ValueError, match="heavy_rows"):
+        ks.verify_ops(ref, [[8, 64, 256, 8, 0.1]], heavy_rows=-1, progress=False)
+    with pytest.raises(AssertionError, match="empty"):
+        ks.assert_verified(ks.pd.DataFrame())
+
+
+# -- benchmark JSON lookup ---------------------------------------------------------------------------
+def _result(timestamp: str, device: str = "cuda", name: str = "NVIDIA H100 80GB HBM3") -> dict:
+    return {"meta": {"timestamp": timestamp, "device": device, "device_name": name, "clock": "cuda-events"},
+            "complete": True, "cases": [], "failures": [], "unavailable": {}}
+
+
+def test_find_bench_json_picks_newest_gpu_result_by_timestamp(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    # File names sort the other way round from the timestamps, so a name/mtime order would pick wrong.
+    (a / "ffn-z-old.json").write_text(json.dumps(_result("2026-01-01T00:00:00+00:00")))
+    (b / "ffn-a-new.json").write_text(json.dumps(_result("2026-03-01T12:00:00+00:00")))
+    (a / "ffn-cpu-newest.json").write_text(json.dumps(_result("2027-01-01T00:00:00+00:00", "cpu", "x86_64")))
+    (a / "ffn-broken.json").write_text("{not json")
+    (a / "ffn-nometa.json").write_text(json.dumps({"cases": []}))
+    (b / "parts-newest.json").write_text(json.dumps(_result("2028-01-01T00:00:00+00:00")))
+    assert ks.find_bench_json([a, b]) == b / "ffn-a-new.json"
+    assert ks.find_bench_json([a]) == a / "ffn-z-old.json"
+    assert ks.find_bench_json([tmp_path / "missing"]) is None
+
+
+def test_bench_dirs_include_the_repository_results(tmp_path):
+    dirs = ks.bench_dirs(tmp_path / "rep")
+    assert dirs == [tmp_path / "rep" / "bench", repo_root() / "reports" / "bench"]
+    assert ks.bench_out_dir(tmp_path / "rep") == tmp_path / "rep" / "bench"
+
+
+def test_earlier_bench_explicit_path_and_errors(tmp_path):
+    good = tmp_path / "ffn-good.json"
+    good.write_text(json.dumps(_result("2026-05-05T05:05:05+00:00", name="NVIDIA H100 PCIe")))
+    run = ks.earlier_bench(good, tmp_path)
+    assert run.path == good and not run.this_run
+    banner = run.banner()
+    assert "NOT IN THIS RUN" in banner and "NVIDIA H100 PCIe" in banner and "2026-05-05T05:05:05+00:00" in banner
+    with pytest.raises(FileNotFoundError, match="ffn-missing.json"):
+        ks.earlier_bench(tmp_path / "ffn-missing.json")
+    cpu = tmp_path / "ffn-cpu.json"
+    cpu.write_text(json.dumps(_result("2026-05-05T05:05:05+00:00", "cpu", "x86_64")))
+    with pytest.raises(ValueError, match="not on a GPU"):
+        ks.earlier_bench(cpu)
+    junk = tmp_path / "ffn-junk.json"
+    junk.write_text(json.dumps({"meta": {"timestamp": "yesterday"}}))
+    with pytest.raises(ValueError, match="not a result of python -m twell.bench ffn"):
+        ks.load_bench(junk)
+
+
+# -- table, summary, figure --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_run():
+    """A real (tiny, CPU) harness result: the table must follow the harness's JSON layout."""
+    cfg = BenchConfig(device="cpu", shapes="inference", cases=("nnz8", "nnz29-heavy"), Ms=(64,), D=64, H=256,
+                      odd_M=37, odd_H=200, reps=2, warmup=0, energy=False, memory=False, fp32_check=False)
+    result = BenchRunner(cfg, progress=False).run()
+    return ks.BenchRun(json.loads(json.dumps(result, default=str)), None, this_run=True)
+
+
+def test_speedup_table_follows_the_harness_result(cpu_run):
+    table = ks.speedup_table(cpu_run)
+    assert len(table) == 4 and list(table["M"]) == [64, 64, 37, 37]
+    for (_, row), rec in zip(table.iterrows(), cpu_run.result["cases"]):
+        impl = rec["impls"]["twell-reference"]
+        assert row["impl"] == "twell-reference"
+        assert row["nnz mean"] == rec["sparsity"]["mean_active"] and row["nnz max"] == rec["sparsity"]["max_active"]
+        assert math.isclose(row["speedup"], rec["dense"]["timing"]["median_ms"] / impl["timing"]["median_ms"])
+        assert row["ceiling"] == rec["ceiling"] and row["rel. error"] == impl["rel_err"]
+        assert row["correct"] == "yes"
+    # The bar and the published numbers are defined at M = 65536, D = 2048, H = 5632 only.
+    assert table["bar"].isna().all() and (table["meets bar"] == "n/a").all() and (table["published"] == "").all()
+    assert (table["in this run"] == "yes").all()
+    with pytest.raises(ValueError, match="not in the result"):
+        ks.speedup_table(cpu_run, impl="no-such-impl")
+
+
+def test_meets_bar_needs_speed_and_correctness(cpu_run):
+    res = copy.deepcopy(cpu_run.result)
+    for rec in res["cases"]:
+        rec["case"].update(kind="inference", M=ks.BAR_M, D=2048, H=5632)
+    light, heavy = res["cases"][0], res["cases"][1]
+    light["impls"]["twell-reference"]["speedup"] = ks.SPEED_BAR["nnz8"] + 0.01
+    heavy["impls"]["twell-reference"].update(speedup=ks.SPEED_BAR["nnz29-heavy"] + 1, ok=False)
+    res["cases"][2]["impls"]["twell-reference"]["speedup"] = ks.SPEED_BAR["nnz8"] - 0.01
+    res["cases"][3]["impls"]["twell-reference"]["speedup"] = ks.SPEED_BAR["nnz29-heavy"]  # exactly at the bar
+    table = ks.speedup_table(ks.BenchRun(res, None, this_run=False))
+    assert list(table["meets bar"]) == ["yes", "no (wrong or failed)", "no", "yes"]
+    assert table["bar"].iloc[0] == ks.SPEED_BAR["nnz8"] and table["bar"].iloc[1] == ks.SPEED_BAR["nnz29-heavy"]
+    assert math.isclose(table["published"].iloc[0], 7.13 / 3.16)
+    assert table["published"].iloc[1] == ks.PUBLISHED_HEAVY and table["correct"].iloc[1] == "no"
+    assert (table["in this run"] == "NO (earlier run)").all()
+    lines = "\n".join(ks.summary_lines(table))
+    assert "bar met in 2 of 4" in lines and f"{table['speedup'].iloc[0]:.2f}x" in lines
+
+
+def test_plot_speedup_marks_cases_ceiling_and_provenance(cpu_run, tmp_path):
+    table = ks.speedup_table(cpu_run)
+    fig = ks.plot_speedup(table, cpu_run)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    ys = sorted(round(line.get_ydata()[0], 9) for line in ax.lines
+                if len(line.get_ydata()) == 2 and line.get_ydata()[0] == line.get_ydata()[1])
+    assert round(float(table["ceiling"].median()), 9) in ys and 1.0 in ys  # ceiling and 1x lines
+    stars = [line for line in ax.lines if line.get_marker() == "*" and len(line.get_xdata())]
+    assert sum(len(s.get_xdata()) for s in stars) == int((table["case"] == ks.HEAVY_CASE).sum())
+    assert "measured in this run" in fig._suptitle.get_text()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("heavy tail" in t for t in labels) and any("published" in t for t in labels)
+    (png,) = save_figure(fig, "01_test_speedup", tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    earlier = ks.plot_speedup(table, ks.BenchRun(cpu_run.result, tmp_path / "ffn-x.json", this_run=False))
+    assert "NOT IN THIS RUN" in earlier._suptitle.get_text() and "ffn-x.json" in earlier._suptitle.get_text()
+    with pytest.raises(ValueError, match="non-empty"):
+        ks.plot_speedup(table.iloc[:0], cpu_run)
+
+
+@pytest.mark.skipif(not H100_JSON.is_file(), reason="committed H100 benchmark JSON not present")
+def test_committed_h100_result_table_matches_its_json():
+    run = ks.earlier_bench(H100_JSON)
+    table = ks.speedup_table(run)
+    at_bar = table[(table["shape"] == "inference") & (table["M"] == ks.BAR_M)]
+    assert set(at_bar["case"]) == set(ks.SPEED_BAR)
+    recs = {r["case"]["sparsity"]: r for r in run.result["cases"] if r["case"]["M"] == ks.BAR_M}
+    for _, row in at_bar.iterrows():
+        assert row["speedup"] == recs[row["case"]]["impls"]["twell-kernel"]["speedup"]
+        want = "yes" if row["speedup"] >= ks.SPEED_BAR[row["case"]] else "no"
+        assert row["meets bar"] == want
+    assert "NOT IN THIS RUN" in run.banner() and run.device_name in run.banner()
+
+
+@pytest.mark.gpu
+def test_verify_kernels_on_gpu():
+    """The notebook's GPU path: the CUDA kernels verified against fp64 and twell.reference."""
+    from twell import kernels
+
+    ok, why = kernels.available()
+    assert ok, f"kernels unavailable on this GPU machine: {why}"
+    shapes = [[777, 320, 1000, 8, 0.1], [1, 64, 256, 8, 0.1], [2000, 2048, 5632, 29, 0.35]]
+    table = ks.verify_ops(kernels, shapes, device="cuda", seed=_fresh_seed() % 1000, heavy_rows=5,
+                          reference=ref, progress=False)
+    ks.assert_verified(table)
+    assert (table["vs reference"] < 2e-2).all()
+    assert set(table["output poisoned"]) <= {"yes", "no", "n/a"}
