@@ -9,7 +9,8 @@
 and chooses *how* through one interface:
 
 - With autograd recording (training), the dense path runs, or ``train_backend`` when one is set
-  (the hook the training kernels plug into; it receives ``(module, x)`` and returns ``out``).
+  (the hook the training kernels plug into; it receives ``(module, x)``, returns ``out`` and, when
+  ``track`` is on, must set ``module.stats`` like the dense path does).
 - Without autograd (inference), ``path`` decides: ``"dense"`` (plain PyTorch), ``"reference"``
   (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
   ``"auto"`` (kernels when available, else the reference, recorded in ``last_path``). Sparse paths
@@ -17,7 +18,8 @@ and chooses *how* through one interface:
 
 ``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
 ``"twell-reference"`` or ``"twell-kernel"``. With ``track=True`` the forward also records
-``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker.
+``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker; ``track_l1=False`` keeps
+``stats.l1`` out of the autograd graph (for runs whose L1 coefficient is 0).
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class SparseFFN(nn.Module):
         self.path = path
         self.train_backend: Optional[Callable[["SparseFFN", torch.Tensor], torch.Tensor]] = None
         self.track = False
+        self.track_l1 = True
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
         self.last_info: dict = {}
@@ -140,8 +143,10 @@ class SparseFFN(nn.Module):
         pre, h = self.hidden(x)
         if self.track:
             active = pre > 0 if self.activation == "relu" else h != 0
+            # fp32 accumulation without an fp32 copy of h kept for the backward pass
+            l1 = h.abs().sum(-1, dtype=torch.float32).mean()
             self.stats = FFNStats(
-                l1=h.float().abs().sum(-1).mean(),
+                l1=l1 if self.track_l1 else l1.detach(),
                 active_per_token=active.sum(-1, dtype=torch.int32).detach(),
                 neuron_active=active.reshape(-1, active.shape[-1]).any(0).detach(),
             )

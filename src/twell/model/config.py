@@ -1,0 +1,235 @@
+"""The model's shape as a handful of plain values, and its translation to a transformers LlamaConfig.
+
+``ffn`` picks the feedforward block:
+
+- ``relu_gated``  h = relu(x Wg^T) * (x Wu^T)   (the paper's sparse model; a plain Llama with ReLU)
+- ``relu``        h = relu(x Wu^T)              (non-gated ablation; no ``gate_proj``)
+- ``silu_gated``  h = silu(x Wg^T) * (x Wu^T)   (the standard dense Llama baseline)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+FFN_KINDS = ("relu_gated", "relu", "silu_gated")
+
+
+@dataclass
+class ModelConfig:
+    """Llama shape. Defaults are the paper's 0.5B model (hidden 2048, intermediate 5632, 8 layers)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_layers: int = 8
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    ffn: str = "relu_gated"
+    rope_theta: float = 1e5
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    attn_implementation: str = "sdpa"
+    bos_token_id: int = 0
+    eos_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.ffn not in FFN_KINDS:
+            raise ValueError(f"model.ffn must be one of {FFN_KINDS}, got {self.ffn!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads}), "
+                "or set model.head_dim"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads ({self.num_heads}) must be a multiple of model.num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    @property
+    def gated(self) -> bool:
+        return self.ffn != "relu"
+
+    @property
+    def activation(self) -> str:
+        return "silu" if self.ffn == "silu_gated" else "relu"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "model") -> "ModelConfig":
+        return dataclass_from_dict(cls, d, where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf_config(self, **extra: Any):
+        """A ``transformers.LlamaConfig``; ``extra`` becomes additional (serialised) attributes."""
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads,
+            hidden_act=self.activation,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_embeddings,
+            initializer_range=self.init_std,
+            rope_theta=float(self.rope_theta),
+            attention_bias=False,
+            mlp_bias=False,
+            use_cache=False,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            twell_ffn=self.ffn,
+            **extra,
+        )
+        cfg._attn_implementation = self.attn_implementation
+        theta = rope_theta_of(cfg)
+        if theta is None or abs(theta - float(self.rope_theta)) > 1e-6 * float(self.rope_theta):
+            raise RuntimeError(f"transformers did not keep rope_theta={self.rope_theta} (got {theta})")
+        return cfg
+
+
+def _coerce(value: Any, type_str: str, where: str) -> Any:
+    """Check one config value against its annotation; numbers written as strings ("2e-5": YAML 1.1 reads
+    exponent notation without a dot as text) become numbers."""
+    if value is None:
+        if "None" in type_str:
+            return None
+        raise ValueError(f"{where} must not be null (expected {type_str})")
+    base = [t.strip() for t in type_str.split("|") if t.strip() != "None"]
+    if "bool" in base:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if "int" in base and "float" not in base:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                raise ValueError(f"{where} must be an integer, got {value!r}") from None
+            if f.is_integer():
+                return int(f)
+        if isinstance(value, int):
+            return value
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    if "float" in base:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} must be a number, got {value!r}") from None
+    if "str" in base:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def dataclass_from_dict(cls, d: Mapping[str, Any] | None, where: str):
+    """``cls(**d)`` with unknown keys and mistyped values rejected by name (``where.key``)."""
+    if d is None:
+        d = {}
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; expected some of {sorted(fields)}")
+    kwargs = {k: _coerce(v, str(fields[k].type), f"{where}.{k}") for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def rope_theta_of(hf_config) -> float | None:
+    """RoPE base of a LlamaConfig across transformers 4.x (``rope_theta``) and 5.x (``rope_parameters``)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(hf_config, "rope_theta", None)
+    return None if theta is None else float(theta)
+
+
+def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, notes) from a config.json dict of a Llama-family checkpoint.
+
+    Understands plain Llama configs (``hidden_act`` relu/silu), configs written by this project
+    (``twell_ffn``) and the paper's released configs (``model_type`` ``llama_sparse_relu`` with
+    ``sparsity_*`` fields, whose MLP is always ReLU whatever ``hidden_act`` says).
+    """
+    notes: dict[str, Any] = {}
+    mt = str(d.get("model_type", "llama"))
+    sparse_family = mt.endswith("_sparse_relu") or any(str(k).startswith("sparsity_") for k in d)
+    if mt not in ("llama", "llama_sparse_relu") and not sparse_family:
+        raise ValueError(f"expected a Llama-family checkpoint (model_type 'llama' or 'llama_sparse_relu'), got {mt!r}")
+    intermediate = d["intermediate_size"]
+    if "twell_ffn" in d:
+        ffn = d["twell_ffn"]
+    elif sparse_family:
+        ffn = "relu_gated" if d.get("sparsity_gated_mlp", True) else "relu"
+        intermediate = d.get("sparsity_new_intermediate_size") or intermediate
+        notes["converted_from"] = f"{mt} (sparsity_* config: ReLU MLP regardless of hidden_act={d.get('hidden_act')!r})"
+    else:
+        act = d.get("hidden_act", "silu")
+        if act == "relu":
+            ffn = "relu_gated"
+        elif act == "silu":
+            ffn = "silu_gated"
+        else:
+            raise ValueError(f"unsupported hidden_act {act!r}: twell models use 'relu' (sparse) or 'silu' (dense)")
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(d.get("rope_parameters"), Mapping):
+        theta = d["rope_parameters"].get("rope_theta")
+        rtype = d["rope_parameters"].get("rope_type", "default")
+        if rtype != "default":
+            raise ValueError(f"unsupported rope_type {rtype!r}; only the default RoPE is supported")
+    if d.get("rope_scaling"):
+        raise ValueError(f"unsupported rope_scaling {d['rope_scaling']!r}; only the default RoPE is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if d.get(flag):
+            raise ValueError(f"unsupported {flag}=True; twell models are bias-free like the paper's")
+    n_heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim")
+    if head_dim == d["hidden_size"] // n_heads:
+        head_dim = None
+    eos = d.get("eos_token_id", 0)
+    if isinstance(eos, list):
+        eos = eos[0]
+    cfg = ModelConfig(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=intermediate,
+        num_layers=d["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=d.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        rope_theta=float(theta if theta is not None else 10000.0),
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_embeddings=d.get("tie_word_embeddings", True),
+        init_std=d.get("initializer_range", 0.02),
+        bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 0,
+        eos_token_id=eos if eos is not None else 0,
+    )
+    return cfg, notes

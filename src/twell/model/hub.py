@@ -1,0 +1,215 @@
+"""Save and load Hugging Face checkpoints of twell models.
+
+``save_pretrained`` writes a standard Llama checkpoint (safetensors + config.json + tokenizer):
+plain ``transformers.AutoModelForCausalLM`` loads the ReLU-gated and SiLU variants and gives the
+same logits. ``load_pretrained`` reads those, plain Llama checkpoints, and the paper's released
+checkpoints (``model_type: llama_sparse_relu``, Llama parameter keys) and returns a model whose
+MLPs are SparseFFN modules.
+
+The non-gated ``relu`` variant has no ``gate_proj``; plain transformers cannot express it, so
+only ``load_pretrained`` loads it (config.json says ``twell_ffn: relu``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from twell.model.config import from_hf_dict
+from twell.model.llama import build_model, set_ffn_path, sparse_ffns
+
+# Keys the paper's training code may leave in a state dict that carry no weights.
+_AUX_KEY_PARTS = ("tracker.", "metrics_accumulator.", "rotary_emb.inv_freq")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _as_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"expected a torch dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_size: int | str = "2GB", *,
+                    dtype: torch.dtype | str | None = None, tokenizer_choice: dict | None = None,
+                    extra_config: dict | None = None) -> Path:
+    """Write ``model`` (+ ``tokenizer`` when given) as a Hugging Face checkpoint directory.
+
+    dtype: cast weights on the way out (e.g. ``torch.bfloat16``); the model itself is not changed.
+    tokenizer_choice: how the tokenizer was chosen (hub id or trained); stored in config.json as
+    ``twell_tokenizer``. Tied ``lm_head.weight`` is stored once, as transformers does.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = _as_dtype(dtype)
+    if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
+        raise TypeError(f"expected a transformers LlamaForCausalLM, got {type(model).__name__}")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {}
+    for k, v in model.state_dict().items():
+        if tied and k == "lm_head.weight":
+            continue
+        v = v.detach()
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        state[k] = v.contiguous().cpu()
+    saved_cfg = model.config
+    cfg = copy.deepcopy(saved_cfg)
+    out_dtype = dtype or next(model.parameters()).dtype
+    cfg.use_cache = True  # a generation default for whoever loads it; training never uses the cache
+    if tokenizer_choice is not None:
+        cfg.twell_tokenizer = dict(tokenizer_choice)
+    for k, v in (extra_config or {}).items():
+        setattr(cfg, k, v)
+    model.config = cfg
+    try:
+        model.save_pretrained(str(path), state_dict=state, max_shard_size=max_shard_size)
+    finally:
+        model.config = saved_cfg
+    # transformers writes the dtype of the live parameters; record the dtype actually stored.
+    cfg_file = path / "config.json"
+    written = json.loads(cfg_file.read_text())
+    name = str(out_dtype).replace("torch.", "")
+    for key in [k for k in ("dtype", "torch_dtype") if k in written] or ["dtype"]:
+        written[key] = name
+    cfg_file.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def _resolve_dir(path_or_hub_id: str | Path, allow_network: bool | None) -> Path:
+    p = Path(path_or_hub_id).expanduser()
+    if p.is_dir():
+        return p
+    s = str(path_or_hub_id)
+    if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
+        raise FileNotFoundError(f"expected a checkpoint directory or a hub id 'owner/name', got {s!r} (no such directory)")
+    from huggingface_hub import snapshot_download
+
+    from twell.data.network import network_allowed
+
+    online = network_allowed(True if allow_network is None else allow_network)
+    small = ["*.json", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+    try:
+        local = Path(snapshot_download(s, local_files_only=not online, allow_patterns=small + ["*.safetensors"]))
+        if not any(local.glob("*.safetensors")):  # an older repository with PyTorch .bin weights only
+            local = Path(snapshot_download(s, local_files_only=not online, allow_patterns=small + ["*.bin"]))
+    except Exception as exc:  # offline without a cached copy, unknown repo, ...
+        how = "online" if online else "from the local Hugging Face cache only (offline: HF_*_OFFLINE set or network not allowed)"
+        raise FileNotFoundError(f"could not get checkpoint {s!r} {how}: {type(exc).__name__}: {exc}") from exc
+    return local
+
+
+def read_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (safetensors, sharded or not; else pytorch_model*.bin)."""
+    d = Path(ckpt_dir)
+    files: list[Path] = []
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (d / index_name).is_file():
+            weight_map = json.loads((d / index_name).read_text())["weight_map"]
+            files = [d / f for f in sorted(set(weight_map.values()))]
+            break
+    if not files:
+        files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no weights in {d}: expected model.safetensors, sharded safetensors or pytorch_model.bin")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint index names {f.name}, which is missing from {d}")
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(f)))
+        else:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=None, dtype=None, *,
+                    allow_network: bool | None = None, load_tokenizer: bool = True):
+    """(model, tokenizer) from a checkpoint directory or hub id.
+
+    The model is a ``LlamaForCausalLM`` whose MLPs are SparseFFN modules (ReLU: sparse-capable,
+    ``ffn_path`` sets their inference path; SiLU: dense). ``tokenizer`` is None when the
+    checkpoint ships none. ``model.config.twell_tokenizer`` records which tokenizer the model
+    was trained with (or, for foreign checkpoints, where the tokenizer came from).
+    A hub id is downloaded unless an HF_*_OFFLINE variable is set or ``allow_network=False``.
+    """
+    ckpt = _resolve_dir(path_or_hub_id, allow_network)
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{ckpt} has no config.json; expected a Hugging Face checkpoint directory")
+    raw = json.loads(cfg_path.read_text())
+    mc, notes = from_hf_dict(raw)
+    extra = {k: raw[k] for k in ("twell_tokenizer",) if k in raw}
+    if notes:
+        extra["twell_converted_from"] = notes.get("converted_from")
+    model = build_model(mc, **extra)
+    state = read_state_dict(ckpt)
+    state = {k: v for k, v in state.items() if not any(part in k for part in _AUX_KEY_PARTS)}
+    if mc.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model.state_dict())
+    if mc.tie_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {ckpt} does not match a {mc.num_layers}-layer {mc.ffn} Llama: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    ref = model.state_dict()
+    bad = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(ref[k].shape)}" for k, v in state.items()
+           if tuple(v.shape) != tuple(ref[k].shape)]
+    if bad:
+        raise ValueError(f"checkpoint {ckpt} has tensors of the wrong shape: {bad[:4]}")
+    model.load_state_dict(state, strict=False)
+    if mc.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("tied embeddings were untied while loading; refusing to return an inconsistent model")
+    dtype = _as_dtype(dtype)
+    if dtype is None:
+        saved = raw.get("dtype") or raw.get("torch_dtype")
+        dtype = _DTYPES.get(saved) if isinstance(saved, str) else None
+    if dtype is not None:
+        model.to(dtype)
+    if device is not None:
+        model.to(device)
+    if mc.activation == "relu":
+        set_ffn_path(model, ffn_path)
+    elif ffn_path not in ("auto", "dense"):
+        raise ValueError(f"ffn_path={ffn_path!r} needs ReLU MLPs; this checkpoint's MLPs use {mc.activation}")
+    model.eval()
+
+    tokenizer = None
+    if load_tokenizer:
+        tokenizer = _load_tokenizer(ckpt, raw, allow_network)
+        if "twell_tokenizer" not in raw:
+            model.config.twell_tokenizer = {"kind": "checkpoint" if tokenizer is not None else "none",
+                                            "name": str(path_or_hub_id)}
+    assert sparse_ffns(model), "build_model always installs SparseFFN modules"
+    return model, tokenizer
+
+
+def _load_tokenizer(ckpt: Path, raw: dict[str, Any], allow_network: bool | None):
+    from transformers import AutoTokenizer
+
+    if any((ckpt / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return AutoTokenizer.from_pretrained(str(ckpt))
+    choice = raw.get("twell_tokenizer") or {}
+    if choice.get("kind") == "hub" and choice.get("name"):
+        from twell.data.tokenizer import load_hub_tokenizer
+
+        return load_hub_tokenizer(choice["name"], allow_network=allow_network)
+    warnings.warn(f"{ckpt} ships no tokenizer files; returning tokenizer=None", stacklevel=3)
+    return None

@@ -1,0 +1,121 @@
+"""A transformers ``LlamaForCausalLM`` whose MLPs are :class:`twell.nn.SparseFFN` modules.
+
+SparseFFN keeps the Llama parameter names (``gate_proj``, ``up_proj``, ``down_proj``), so the
+state dict is exactly a Llama state dict: ``save_pretrained`` output loads in plain transformers.
+The model knows nothing about parallelism, compile or checkpointing (see ``twell.train.parallel``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from twell.model.config import ModelConfig
+from twell.nn import SparseFFN
+
+
+def as_model_config(cfg: Any) -> ModelConfig:
+    """Accept a ModelConfig, a ``model:`` mapping, or anything with a ``.model`` ModelConfig (a run config)."""
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    if isinstance(getattr(cfg, "model", None), ModelConfig):
+        return cfg.model
+    if isinstance(cfg, Mapping):
+        return ModelConfig.from_dict(cfg)
+    raise TypeError(f"expected a ModelConfig, a mapping of model fields or a run config, got {type(cfg).__name__}")
+
+
+def build_model(cfg: Any, **hf_extra: Any):
+    """A freshly initialised ``LlamaForCausalLM`` with SparseFFN MLPs, fp32, on the current default device.
+
+    Initialisation is transformers' Llama initialisation (normal(0, init_std) for Linear and
+    Embedding weights), so under the same torch seed every process builds identical weights.
+    """
+    from transformers import LlamaForCausalLM
+
+    mc = as_model_config(cfg)
+    model = LlamaForCausalLM(mc.to_hf_config(**hf_extra))
+    swap_mlps(model, mc)
+    return model
+
+
+def swap_mlps(model: nn.Module, mc: ModelConfig, path: str = "auto") -> None:
+    """Replace every decoder layer's MLP by a SparseFFN of kind ``mc.ffn`` (in place).
+
+    Gated kinds wrap the existing Linear modules (no copy, same initialisation); the non-gated
+    kind drops ``gate_proj`` and keeps ``up_proj``/``down_proj``.
+    """
+    for i, layer in enumerate(_decoder_layers(model)):
+        mlp = layer.mlp
+        if isinstance(mlp, SparseFFN):
+            continue
+        if mc.gated:
+            ffn = SparseFFN.from_llama_mlp(mlp, activation=mc.activation, path="dense")
+        else:
+            ffn = SparseFFN(mc.hidden_size, mc.intermediate_size, gated=False, activation="relu", path="dense")
+            ffn.up_proj, ffn.down_proj = mlp.up_proj, mlp.down_proj
+        ffn.path = path if mc.activation == "relu" else "dense"
+        ffn.layer_idx = i
+        layer.mlp = ffn
+
+
+def _decoder_layers(model: nn.Module):
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TypeError(f"expected a LlamaForCausalLM (model.model.layers), got {type(model).__name__}")
+    return layers
+
+
+def sparse_ffns(model: nn.Module) -> list[SparseFFN]:
+    """The model's SparseFFN modules in layer order (works through FSDP/compile/checkpoint wrappers)."""
+    return [m for m in model.modules() if isinstance(m, SparseFFN)]
+
+
+def set_ffn_path(model: nn.Module, path: str) -> None:
+    """Set the inference path ("auto", "dense", "reference", "kernel") of every SparseFFN layer."""
+    ffns = sparse_ffns(model)
+    if not ffns:
+        raise ValueError("the model has no SparseFFN layers; build it with twell.model.build_model or load_pretrained")
+    for i, ffn in enumerate(ffns):
+        try:
+            ffn.path = path
+        except ValueError as exc:
+            raise ValueError(f"layer {i}: {exc}") from None
+
+
+def set_tracking(model: nn.Module, on: bool = True) -> None:
+    """Make every SparseFFN record ``stats`` (needed for the L1 loss and the sparsity tracker)."""
+    for ffn in sparse_ffns(model):
+        ffn.track = on
+        if not on:
+            ffn.stats = None
+
+
+def iter_named_linear(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            yield name, m
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Total, embedding and non-embedding parameter counts (tied weights counted once)."""
+    seen: set[int] = set()
+    total = emb = 0
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        total += n
+        if id(p) in emb_ids:
+            emb += n
+    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+
+
+@torch.no_grad()
+def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, T, V] for int64 token ids [B, T] (no KV cache)."""
+    return model(input_ids=input_ids, use_cache=False).logits.float()

@@ -1,0 +1,457 @@
+"""The training loop: one code path for CPU, one GPU, and torchrun + FSDP2 on many GPUs.
+
+``run(cfg)`` prepares the data (once; token files are memory-mapped), builds the model, applies
+activation checkpointing / compile / FSDP from outside, then for each step: gradient
+accumulation over micro-batches (CE + coef * L1), clip, AdamW, sparsity tracker, JSONL record,
+validation and checkpoints at intervals, a wall-clock guard, and at the end a Hugging Face
+export (``<out>/final``) and ``summary.json``.
+
+Output directory (default ``runs/<config name>``)::
+
+    config.yaml  metrics.jsonl  summary.json  ckpt/step_*/ (resumable)  final/ (HF checkpoint)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from twell.data.loader import TokenBlocks, TrainOrder, val_shards
+from twell.data.prepare import PreparedData, prepare_data
+from twell.model import build_model, count_parameters, save_pretrained, set_tracking, sparse_ffns
+from twell.paths import repo_root
+from twell.train.checkpoint import CheckpointManager
+from twell.train.config import RunConfig, load_config
+from twell.train.metrics import MetricsLog
+from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
+                                  barrier, broadcast_flag, init_distributed, set_gradient_sync, total_grad_norm)
+from twell.train.recipe import sparse_lm_loss
+from twell.train.schedule import l1_coef_at, lr_at
+from twell.train.tracker import SparsityTracker, reinit_dead_gates
+
+# Settings that must not change when a run is resumed (they define the model or the data order).
+_RESUME_FIXED = {"model": None, "data": ("source", "tokenizer", "vocab_size", "val_fraction", "split_seed"),
+                 "train": ("seq_len", "global_batch", "data_seed", "seed")}
+
+
+@dataclass
+class RunResult:
+    """Where a run's outputs are (``summary`` is the content of summary.json)."""
+
+    out_dir: Path
+    metrics_path: Path
+    summary_path: Path
+    checkpoint_dir: Path | None
+    hf_dir: Path | None
+    summary: dict
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False):
+        self.t_start = time.time()
+        self.cfg = cfg
+        self.info: DistInfo = init_distributed(cfg.train.device)
+        cfg.validate(self.info.world)
+        self.out = Path(out_dir)
+        self.main = self.info.is_main
+        t, s = cfg.train, cfg.sparsity
+        self._prepare_out_dir(resume, overwrite)
+        self.data = self._prepare_data()
+        if self.data.vocab_size > cfg.model.vocab_size or self.data.meta["max_token_id"] >= cfg.model.vocab_size:
+            raise ValueError(
+                f"vocab mismatch: the tokenizer ({self.data.tokenizer_choice['name']}) has {self.data.vocab_size} "
+                f"tokens (max id in the data {self.data.meta['max_token_id']}), but model.vocab_size is "
+                f"{cfg.model.vocab_size}; set model.vocab_size >= {self.data.vocab_size} (or data.vocab_size)"
+            )
+        dev = self.info.device
+        if dev.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = t.tf32
+            torch.backends.cudnn.allow_tf32 = t.tf32
+
+        torch.manual_seed(t.seed)  # identical initial weights on every rank and in every rerun
+        model = build_model(cfg.model).to(dev)
+        self.params = count_parameters(model)
+        set_tracking(model, True)
+        if t.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if t.compile:
+            apply_compile(model)
+        self.fsdp = self.info.distributed
+        if self.fsdp:
+            apply_fsdp(model, self.info, bf16=t.precision == "bf16")
+        self.model = model
+        self.ffns = sparse_ffns(model)
+        self.optimizer = self._build_optimizer()
+
+        self.train_blocks = TokenBlocks(self.data.tokens("train"), t.seq_len, "the training split")
+        self.val_blocks = TokenBlocks(self.data.tokens("val"), t.seq_len, "the validation split")
+        self.order = TrainOrder(self.train_blocks, t.data_seed)
+        self.accum = t.global_batch // (t.micro_batch * self.info.world)
+        window = s.dead_window_tokens or cfg.tokens_per_step
+        self.tracker = SparsityTracker(cfg.model.num_layers, cfg.model.intermediate_size, t.seq_len,
+                                       window_tokens=window, device=dev, position_bins=s.position_bins)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.main)
+        self.ckpt = CheckpointManager(self.out / "ckpt", self.info, keep=t.keep_checkpoints)
+        self.step = 0
+        self.elapsed_before = 0.0  # training seconds of earlier (resumed-from) processes
+        self.best_val: dict | None = None
+        self.last_val: dict | None = None
+        self.stop_reason: str | None = None
+        self._last_ckpt: Path | None = None
+        if resume:
+            self._resume()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
+        existing = [p for p in ("ckpt", "metrics.jsonl") if (self.out / p).exists()]
+        if existing and not resume and not overwrite:
+            raise FileExistsError(f"{self.out} already holds a run ({', '.join(existing)}); pass --resume to continue "
+                                  "it or --overwrite to start again")
+        if self.main:
+            if overwrite and not resume:
+                for p in ("ckpt", "final"):
+                    shutil.rmtree(self.out / p, ignore_errors=True)
+                for p in ("metrics.jsonl", "summary.json"):
+                    (self.out / p).unlink(missing_ok=True)
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        barrier(self.info)
+
+    def _prepare_data(self) -> PreparedData:
+        path = None
+        if self.main:
+            path = str(prepare_data(self.cfg.data, vocab_size=self.cfg.model.vocab_size,
+                                    progress=self.cfg.train.progress).dir)
+        if self.info.distributed:
+            import torch.distributed as dist
+
+            box = [path]
+            dist.broadcast_object_list(box, src=0)
+            path = box[0]
+        return PreparedData.load(path)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.info.device.type == "cuda" and not self.fsdp
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
+
+    def _resume(self) -> None:
+        latest = self.ckpt.latest()
+        if latest is None:
+            self._event("resume-requested", detail="no checkpoint found; starting at step 0")
+            return
+        state = self.ckpt.load(latest, self.model, self.optimizer)
+        self._check_resume_config(state["config"])
+        self.step = int(state["step"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.best_val = state.get("best_val")
+        self.last_val = state.get("last_val")
+        if self.main:
+            dropped = self.metrics.truncate_after(self.step)
+        else:
+            dropped = 0
+        self._last_ckpt = latest
+        self._event("resume", detail=f"from {latest.name}; dropped {dropped} records logged after it")
+
+    def _check_resume_config(self, saved: Mapping[str, Any]) -> None:
+        now = self.cfg.to_dict()
+        diffs = []
+        for section, keys in _RESUME_FIXED.items():
+            a, b = saved.get(section, {}), now[section]
+            for k in (keys or sorted(set(a) | set(b))):
+                if a.get(k) != b.get(k):
+                    diffs.append(f"{section}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}")
+        if diffs:
+            raise ValueError("cannot resume: settings that define the model or the data order changed: " + "; ".join(diffs))
+
+    # -- one step --------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.cfg.train.precision == "bf16" and not self.fsdp:
+            return torch.autocast(self.info.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _train_step(self, step: int) -> dict:
+        t, o, s = self.cfg.train, self.cfg.optim, self.cfg.sparsity
+        lr = lr_at(step, lr=o.lr, warmup_steps=o.warmup_steps, total_steps=t.steps, min_lr_ratio=o.min_lr_ratio)
+        coef = l1_coef_at(step, coef=s.l1_coef, warmup_steps=s.l1_warmup_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        dev = self.info.device
+        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # ce, l1
+        for micro in range(self.accum):
+            x, y = self.order.micro_batch(step, micro, rank=self.info.rank, world=self.info.world,
+                                          micro_batch=t.micro_batch, global_batch=t.global_batch)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            set_gradient_sync(self.model, micro == self.accum - 1)
+            with self._autocast():
+                logits = self.model(input_ids=x, use_cache=False).logits
+            parts = sparse_lm_loss(logits, y, self.ffns, coef)
+            (parts.loss / self.accum).backward()
+            self.tracker.observe(self.ffns)
+            for f in self.ffns:
+                f.stats = None  # drop the L1 graph's references before the next forward
+            sums += torch.stack([parts.ce, parts.l1]).double()
+            del logits, parts
+        grad_norm = total_grad_norm(self.model, o.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = all_reduce_sum(sums, self.info) / (self.accum * self.info.world)
+        spars = self.tracker.end_step(as_lists=False)
+        # Device tensors: converted (one host sync) only for the steps that are logged.
+        return {"sums": sums, "grad_norm": grad_norm, "l1_coef": coef, "lr": lr, **spars}
+
+    def _log_train(self, raw: dict, bar, t_log: float, step_log: int) -> tuple[float, float, int]:
+        """Write the step's JSONL record (one host sync); return (seconds per step since the last record, now, step)."""
+        rec = self._to_record(raw)
+        now = time.time()
+        step_s = (now - t_log) / max(1, self.step - step_log)
+        tps = self.cfg.tokens_per_step
+        self.metrics.write({
+            "kind": "train", "step": self.step, **rec, "tokens": self.step * tps,
+            "epoch": self.order.epochs(self.step * self.cfg.train.global_batch), "elapsed_s": self._elapsed(),
+            "step_s": step_s, "tok_s": tps / max(step_s, 1e-9),
+        })
+        bar.set_postfix(ce=f"{rec['ce']:.3f}", act=f"{100 * rec['active_frac']:.2f}%",
+                        tok_s=f"{tps / max(step_s, 1e-9):.0f}", refresh=False)
+        return step_s, now, self.step
+
+    def _to_record(self, raw: dict) -> dict:
+        ce, l1 = raw["sums"].tolist()
+        active = raw["active_mean"].tolist()
+        return {"ce": ce, "l1": l1, "loss": ce + raw["l1_coef"] * l1, "l1_coef": raw["l1_coef"], "lr": raw["lr"],
+                "grad_norm": float(raw["grad_norm"]), "active_mean": active, "active_max": raw["active_max"].tolist(),
+                "dead_frac": raw["dead_frac"].tolist(),
+                "active_frac": sum(active) / len(active) / self.cfg.model.intermediate_size}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation CE (mean over tokens) and active neurons per layer on held-out documents."""
+        t = self.cfg.train
+        self.model.eval()
+        dev = self.info.device
+        L = self.cfg.model.num_layers
+        acc = torch.zeros(2 + L, dtype=torch.float64, device=dev)  # ce sum, tokens, active sums per layer
+        for x, y in val_shards(self.val_blocks, max_tokens=t.eval_tokens, rank=self.info.rank, world=self.info.world,
+                               micro_batch=t.eval_micro_batch or t.micro_batch):
+            x, y = x.to(dev), y.to(dev)
+            with self._autocast():
+                logits = self.model(input_ids=x, use_cache=False).logits
+            acc[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+            acc[1] += y.numel()
+            acc[2:] += torch.stack([f.stats.active_per_token.sum() for f in self.ffns]).double()
+            for f in self.ffns:
+                f.stats = None
+        self.model.train()
+        acc = all_reduce_sum(acc, self.info).tolist()
+        ce = acc[0] / acc[1]
+        active = [a / acc[1] for a in acc[2:]]
+        return {"val_ce": ce, "val_ppl": math.exp(min(ce, 50.0)), "val_tokens": int(acc[1]),
+                "val_active_mean": active, "val_active_frac": sum(active) / L / self.cfg.model.intermediate_size}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _event(self, event: str, **kw) -> None:
+        self.metrics.write({"kind": "event", "step": self.step, "event": event, **kw})
+
+    def _deadline(self) -> float | None:
+        t = self.cfg.train
+        limits = [x for x in (t.stop_at_unix, None if t.max_wall_seconds is None else self.t_start + t.max_wall_seconds)
+                  if x is not None]
+        return min(limits) - t.wall_reserve_s if limits else None
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + (time.time() - self.t_loop)
+
+    def _trainer_state(self) -> dict:
+        return {"tracker": self.tracker.state_dict(), "config": self.cfg.to_dict(), "data_key": self.data.meta["key"],
+                "elapsed_s": self._elapsed(), "best_val": self.best_val, "last_val": self.last_val}
+
+    def _save(self) -> None:
+        self._last_ckpt = self.ckpt.save(self.step, self.model, self.optimizer, self._trainer_state())
+
+    def _validate_and_log(self) -> None:
+        v = self.evaluate()
+        self.last_val = {"step": self.step, **v}
+        if self.best_val is None or v["val_ce"] < self.best_val["val_ce"]:
+            self.best_val = {"step": self.step, "val_ce": v["val_ce"]}
+        self.metrics.write({"kind": "val", "step": self.step, "elapsed_s": self._elapsed(), **v})
+
+    def fit(self) -> RunResult:
+        from tqdm.auto import tqdm
+
+        cfg, t, s = self.cfg, self.cfg.train, self.cfg.sparsity
+        self.t_loop = time.time()
+        if self.main:
+            print(self.describe(), flush=True)
+        if self.step == 0:
+            self._event("start", describe=self.describe())
+        deadline = self._deadline()
+        bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
+                   disable=not (t.progress and self.main), dynamic_ncols=True)
+        last_step_s = 0.0
+        last_val_step = self.step if self.last_val and self.last_val["step"] == self.step else None
+        t_log, step_log = time.time(), self.step
+        while self.step < t.steps:
+            raw = self._train_step(self.step)
+            self.step += 1
+            if s.reinit_dead and self.step % s.reinit_every == 0:
+                dead = self.tracker.dead_mask()
+                gen = torch.Generator().manual_seed(t.seed * 1_000_003 + self.step)
+                n = reinit_dead_gates(self.ffns, dead, self.optimizer, std=cfg.model.init_std, generator=gen)
+                self.tracker.revive(dead)
+                self._event("reinit", neurons=n)
+            logged = self.step % t.log_every == 0 or self.step in (1, t.steps)
+            if logged:
+                last_step_s, t_log, step_log = self._log_train(raw, bar, t_log, step_log)
+            if self.step % s.positions_every == 0 or self.step == t.steps:
+                pos = self.tracker.positions()
+                if pos:
+                    self.metrics.write({"kind": "positions", "step": self.step, **pos})
+            if self.step % t.eval_every == 0 or self.step == t.steps:
+                self._validate_and_log()
+                last_val_step = self.step
+                t_log, step_log = time.time(), self.step  # keep evaluation out of the step timings
+            bar.update(1)
+            stop = deadline is not None and time.time() + 2 * last_step_s >= deadline
+            if broadcast_flag(stop, self.info) and self.step < t.steps:
+                if not logged:
+                    self._log_train(raw, bar, t_log, step_log)
+                self.stop_reason = f"wall-clock limit (stopped after step {self.step} of {t.steps})"
+                self._event("stop", reason=self.stop_reason)
+                break
+            if self.step % t.ckpt_every == 0 and self.step < t.steps:
+                self._save()
+        bar.close()
+        if last_val_step != self.step:
+            self._validate_and_log()
+        if self._last_ckpt is None or not self._last_ckpt.name.endswith(f"{self.step:07d}"):
+            self._save()
+        hf_dir = self._export()
+        summary = self._summary(hf_dir)
+        self._event("end", steps=self.step)
+        self.metrics.close()
+        barrier(self.info)
+        return RunResult(self.out, self.out / "metrics.jsonl", self.out / "summary.json", self._last_ckpt, hf_dir, summary)
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _export(self) -> Path | None:
+        """Gather full weights on rank 0 and write a Hugging Face checkpoint to ``<out>/final``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.main:
+            return None
+        export = build_model(self.cfg.model)
+        missing, unexpected = export.load_state_dict(full, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise RuntimeError(f"export: state dict mismatch, missing {missing[:5]}, unexpected {unexpected[:5]}")
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[self.cfg.train.export_dtype]
+        eos = self.data.eos_id
+        path = save_pretrained(export, self.data.tokenizer(), self.out / "final", self.cfg.train.export_max_shard,
+                               dtype=dtype, tokenizer_choice=self.data.tokenizer_choice,
+                               extra_config={"eos_token_id": eos, "bos_token_id": eos,
+                                             "twell_run": {"name": self.cfg.name, "step": self.step,
+                                                           "data": self.data.label}})
+        return path
+
+    def describe(self) -> str:
+        c, t = self.cfg, self.cfg.train
+        epochs = self.order.epochs(t.steps * t.global_batch)
+        return (
+            f"[twell.train] {c.name}: {self.params['total'] / 1e6:.2f}M params "
+            f"({self.params['non_embedding'] / 1e6:.2f}M non-embedding), ffn={c.model.ffn}, "
+            f"L1 coef={c.sparsity.l1_coef:g}\n"
+            f"  {t.steps} steps x {c.tokens_per_step} tokens/step ({t.global_batch} seqs x {t.seq_len}; micro-batch "
+            f"{t.micro_batch} x {self.accum} accumulation x {self.info.world} ranks) = {epochs:.2f} epochs\n"
+            f"  data: {self.data.label}: {self.data.meta['n_train_tokens']} train / {self.data.meta['n_val_tokens']} "
+            f"val tokens; tokenizer {self.data.tokenizer_choice['kind']} {self.data.tokenizer_choice['name']} "
+            f"(vocab {self.data.vocab_size})\n"
+            f"  device {self.info.device} ({'FSDP2' if self.fsdp else 'single process'}), precision {t.precision}, "
+            f"compile={t.compile}, activation checkpointing={t.activation_checkpointing}; out {self.out}"
+        )
+
+    def _summary(self, hf_dir: Path | None) -> dict:
+        if not self.main:
+            return {}
+        from twell.train.metrics import read_metrics
+
+        recs = read_metrics(self.out / "metrics.jsonl").get("train", [])
+        tail = recs[-max(1, min(50, len(recs) // 10)):]
+        H, L = self.cfg.model.intermediate_size, self.cfg.model.num_layers
+        act = [sum(r["active_mean"][l] for r in tail) / len(tail) for l in range(L)] if tail else []
+        wall = time.time() - self.t_start
+        dev = self.info.device
+        summary = {
+            "name": self.cfg.name,
+            "description": self.cfg.description,
+            "params": self.params,
+            "tokens_per_step": self.cfg.tokens_per_step,
+            "steps_planned": self.cfg.train.steps,
+            "steps_done": self.step,
+            "stopped_early": self.stop_reason is not None,
+            "stop_reason": self.stop_reason,
+            "epochs": self.order.epochs(self.step * self.cfg.train.global_batch),
+            "l1_coef": self.cfg.sparsity.l1_coef,
+            "data": {"label": self.data.label, "source": self.data.meta["source"]["spec"],
+                     "n_train_tokens": self.data.meta["n_train_tokens"], "n_val_tokens": self.data.meta["n_val_tokens"],
+                     "n_train_docs": self.data.meta["n_train_docs"], "n_val_docs": self.data.meta["n_val_docs"],
+                     "tokenizer": self.data.tokenizer_choice},
+            "final": {
+                "train_ce_last": recs[-1]["ce"] if recs else None,
+                "train_ce_tail_mean": sum(r["ce"] for r in tail) / len(tail) if tail else None,
+                "tail_steps": len(tail),
+                "active_mean_per_layer": act,
+                "active_frac_per_layer": [a / H for a in act],
+                "active_frac_mean": sum(act) / L / H if act else None,
+                "dead_frac_per_layer": recs[-1]["dead_frac"] if recs else None,
+                **({k: self.last_val[k] for k in ("val_ce", "val_ppl", "val_active_frac", "val_active_mean", "step")}
+                   if self.last_val else {}),
+            },
+            "best_val": self.best_val,
+            "train_seconds": self._elapsed(),
+            "process_wall_seconds": wall,
+            "tok_s_mean": (self.step * self.cfg.tokens_per_step / self._elapsed()) if self._elapsed() > 0 else None,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "world_size": self.info.world,
+            "torch": torch.__version__,
+            "paths": {"metrics": str(self.out / "metrics.jsonl"), "hf_checkpoint": str(hf_dir) if hf_dir else None,
+                      "train_checkpoint": str(self._last_ckpt) if self._last_ckpt else None},
+            "config": self.cfg.to_dict(),
+        }
+        tmp = self.out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.out / "summary.json")
+        return summary
+
+
+def run(cfg: str | Path | Mapping[str, Any] | RunConfig, *, data: str | Path | None = None,
+        out: str | Path | None = None, resume: bool = False, overwrite: bool = False,
+        overrides: Iterable[str] | Mapping[str, Any] | None = None) -> RunResult:
+    """Train ``cfg`` (config name, YAML path, dict or RunConfig) and return where the outputs are.
+
+    data: a corpus path / source string or a prepared data directory (replaces ``data.source``).
+    out: output directory (default ``runs/<name>``). resume: continue from its latest checkpoint.
+    overwrite: delete an earlier run in ``out`` first. overrides: ``["train.steps=100", ...]``.
+    """
+    cfg = load_config(cfg, overrides)
+    if data is not None:
+        cfg.data.source = str(data)
+    out = Path(out) if out is not None else repo_root() / "runs" / cfg.name
+    trainer = Trainer(cfg, out, resume=resume, overwrite=overwrite)
+    return trainer.fit()

@@ -1,0 +1,166 @@
+"""Figures and tables of training runs, read from their metrics JSONL (notebook 02 calls these).
+
+Every function takes ``runs``: a mapping ``label -> metrics.jsonl path`` (or already-read
+records from :func:`twell.train.read_metrics`) and returns a matplotlib Figure or a DataFrame.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from twell.train.metrics import read_metrics
+
+Runs = Mapping[str, "str | Path | dict"]
+
+
+def _records(runs: Runs) -> dict[str, dict[str, list[dict]]]:
+    if not runs:
+        raise ValueError("expected at least one run: a mapping label -> metrics.jsonl path")
+    return {label: (src if isinstance(src, dict) else read_metrics(src)) for label, src in runs.items()}
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    if window <= 1 or len(y) < window:
+        return y
+    kernel = np.ones(window) / window
+    head = np.cumsum(y[: window - 1]) / np.arange(1, window)
+    return np.concatenate([head, np.convolve(y, kernel, mode="valid")])
+
+
+def plot_loss(runs: Runs, smooth: int = 20, title: str | None = None):
+    """Training CE (smoothed) and validation CE against step, one colour per run."""
+    import matplotlib.pyplot as plt
+
+    data = _records(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i, (label, recs) in enumerate(data.items()):
+        c = f"C{i}"
+        tr = recs.get("train", [])
+        if tr:
+            s = np.array([r["step"] for r in tr])
+            axes[0].plot(s, _smooth(np.array([r["ce"] for r in tr]), smooth), color=c, label=label)
+        va = recs.get("val", [])
+        if va:
+            axes[1].plot([r["step"] for r in va], [r["val_ce"] for r in va], "o-", color=c, ms=3, label=label)
+    axes[0].set(xlabel="step", ylabel=f"train cross-entropy (moving mean, {smooth} steps)")
+    axes[1].set(xlabel="step", ylabel="validation cross-entropy (held-out documents)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
+    """Active neurons per token (% of the FFN width when ``widths`` gives it), per layer, against step
+    (moving mean over ``smooth`` logged steps)."""
+    import matplotlib.pyplot as plt
+
+    data = _records(runs)
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False, sharey=True)
+    for ax, (label, recs) in zip(axes[0], data.items()):
+        tr = recs.get("train", [])
+        if not tr:
+            continue
+        s = np.array([r["step"] for r in tr])
+        act = np.array([r["active_mean"] for r in tr])  # [steps, L]
+        scale = 100.0 / widths[label] if widths and label in widths else 1.0
+        for layer in range(act.shape[1]):
+            ax.plot(s, _smooth(act[:, layer], smooth) * scale, lw=1, label=f"layer {layer}")
+        ax.plot(s, _smooth(act.mean(1), smooth) * scale, "k--", lw=1.5, label="mean")
+        ax.set(title=label, xlabel="step", yscale="log",
+               ylabel="active neurons per token" + (" (% of width)" if scale != 1.0 else ""))
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_dead(runs: Runs, title: str | None = None):
+    """Fraction of dead neurons (silent for the tracker's window) per layer against step."""
+    import matplotlib.pyplot as plt
+
+    data = _records(runs)
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.5), squeeze=False, sharey=True)
+    for ax, (label, recs) in zip(axes[0], data.items()):
+        tr = recs.get("train", [])
+        if not tr:
+            continue
+        s = np.array([r["step"] for r in tr])
+        dead = np.array([r["dead_frac"] for r in tr])
+        for layer in range(dead.shape[1]):
+            ax.plot(s, 100 * dead[:, layer], lw=1, label=f"layer {layer}")
+        ax.set(title=label, xlabel="step", ylabel="dead neurons (% of width)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_positions(runs: Runs, title: str | None = None):
+    """Active neurons per token by position in the sequence (the last ``positions`` record of each run)."""
+    import matplotlib.pyplot as plt
+
+    data = _records(runs)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (label, recs) in enumerate(data.items()):
+        pos = recs.get("positions", [])
+        if not pos:
+            continue
+        last = pos[-1]
+        edges = np.array(last["edges"])
+        centers = (edges[:-1] + edges[1:] - 1) / 2
+        act = np.array(last["active"])  # [L, bins]
+        ax.plot(centers, act.mean(0), "o-", ms=3, color=f"C{i}", label=f"{label} (mean over layers, step {last['step']})")
+        ax.fill_between(centers, act.min(0), act.max(0), color=f"C{i}", alpha=0.15)
+    ax.set(xlabel="token position", ylabel="active neurons per token", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def summary_table(runs: Runs, summaries: Mapping[str, "str | Path | dict"] | None = None):
+    """One row per run: steps, epochs, final/best validation CE, active neurons, dead fraction, throughput."""
+    import pandas as pd
+
+    data = _records(runs)
+    rows = []
+    for label, recs in data.items():
+        tr, va = recs.get("train", []), recs.get("val", [])
+        summ = None
+        if summaries and label in summaries:
+            summ = summaries[label]
+            if not isinstance(summ, dict):
+                summ = json.loads(Path(summ).read_text())
+        tail = tr[-max(1, min(50, len(tr) // 10)):] if tr else []
+        act = float(np.mean([np.mean(r["active_mean"]) for r in tail])) if tail else float("nan")
+        row = {
+            "run": label,
+            "steps": tr[-1]["step"] if tr else 0,
+            "epochs": tr[-1].get("epoch") if tr else None,
+            "train CE (tail mean)": float(np.mean([r["ce"] for r in tail])) if tail else float("nan"),
+            "val CE (final)": va[-1]["val_ce"] if va else float("nan"),
+            "val CE (best)": min(r["val_ce"] for r in va) if va else float("nan"),
+            "active / token": act,
+            "dead % (mean over layers)": 100 * float(np.mean(tr[-1]["dead_frac"])) if tr else float("nan"),
+            "tokens/s": float(np.median([r["tok_s"] for r in tr])) if tr else float("nan"),
+        }
+        if summ is not None:
+            H = summ["config"]["model"]["intermediate_size"]
+            row["active %"] = 100 * act / H
+            row["L1 coef"] = summ.get("l1_coef")
+            row["data"] = summ["data"]["label"]
+        rows.append(row)
+    return pd.DataFrame(rows)

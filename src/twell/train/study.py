@@ -1,0 +1,113 @@
+"""What notebook 02 does, as plain functions: train a config and its dense twin, collect finished runs,
+copy their metrics into reports/, and write the figures and the table.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from twell.paths import repo_root
+from twell.train.loop import RunResult, run
+
+
+def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | None = None,
+                    data_path: str | None = None, device: str = "auto", dense_twin: bool = True,
+                    out_root: str | Path | None = None, extra: list[str] | None = None) -> dict[str, RunResult]:
+    """Train ``config`` (and, with ``dense_twin``, the same run with L1 = 0); return ``label -> RunResult``.
+
+    Labels are ``"<config> (L1 <coef>)"`` and ``"<config> (L1 0, dense)"``. Runs go to
+    ``<out_root>/<config>`` and ``<out_root>/<config>_dense_twin`` (default out_root: runs/).
+    """
+    out_root = Path(out_root) if out_root is not None else repo_root() / "runs"
+    common = [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
+    sparse_over = common + ([f"sparsity.l1_coef={float(l1_coef)!r}"] if l1_coef is not None else [])
+    results: dict[str, RunResult] = {}
+    res = run(config, data=data_path, out=out_root / config, overwrite=True, overrides=sparse_over)
+    results[f"{config} (L1 {res.summary['l1_coef']:g})"] = res
+    if dense_twin:
+        res_d = run(config, data=data_path, out=out_root / f"{config}_dense_twin", overwrite=True,
+                    overrides=common + ["sparsity.l1_coef=0.0"])
+        results[f"{config} (L1 0, dense)"] = res_d
+    return results
+
+
+def resolve_runs(runs: Mapping[str, str | Path]) -> dict[str, tuple[Path, Path | None]]:
+    """``label -> (metrics.jsonl, summary.json or None)`` for finished runs given by metrics path or run directory.
+
+    Relative paths are taken from the repository root. Missing files raise, naming what to run.
+    """
+    out = {}
+    for label, p in runs.items():
+        path = Path(p).expanduser()
+        if not path.is_absolute():
+            path = repo_root() / path
+        metrics = path / "metrics.jsonl" if path.is_dir() else path
+        if not metrics.is_file():
+            raise FileNotFoundError(
+                f"run {label!r}: no metrics at {metrics}. For GPU runs: run scripts/train_small_gpu.sh on the GPU "
+                "machine and copy its $OUT/<run>/metrics.jsonl and summary.json there"
+            )
+        summary = metrics.with_name("summary.json")
+        out[label] = (metrics, summary if summary.is_file() else None)
+    return out
+
+
+def publish_run_files(runs: Mapping[str, tuple[Path, Path | None]], reports_dir: str | Path | None = None,
+                      prefix: str = "02") -> list[Path]:
+    """Copy each run's metrics.jsonl (+ summary.json) to ``<reports>/runs/<prefix>_<label slug>/``."""
+    from twell.paths import reports_dir as default_reports
+
+    root = Path(reports_dir) if reports_dir is not None else default_reports()
+    written = []
+    for label, (metrics, summary) in runs.items():
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in label).strip("_")
+        d = root / "runs" / f"{prefix}_{slug}"
+        d.mkdir(parents=True, exist_ok=True)
+        for src in (metrics, summary):
+            if src is not None and src.resolve() != (d / src.name).resolve():
+                shutil.copyfile(src, d / src.name)
+                written.append(d / src.name)
+    return written
+
+
+def figures_and_table(runs: Mapping[str, tuple[Path, Path | None]], reports_dir: str | Path | None = None,
+                      prefix: str = "02", note: str = ""):
+    """Draw and save notebook 02's four figures and its summary table.
+
+    Returns ``(figures, table, paths)``: name -> Figure (left open so a notebook shows them), the
+    summary DataFrame, and name -> written files (``<reports>/figures/<prefix>_<name>.png``,
+    ``<reports>/tables/<prefix>_summary.csv/.md``).
+    """
+    import json
+
+    from twell.reports import save_figure, save_table
+    from twell.train import plots
+
+    metrics = {k: m for k, (m, _) in runs.items()}
+    summaries = {k: s for k, (_, s) in runs.items() if s is not None}
+    widths = {k: json.loads(Path(s).read_text())["config"]["model"]["intermediate_size"] for k, s in summaries.items()}
+    figs = {
+        "loss": plots.plot_loss(metrics, title=note or None),
+        "active_per_layer": plots.plot_active(metrics, widths=widths, title=note or None),
+        "dead_fraction": plots.plot_dead(metrics, title=note or None),
+        "active_by_position": plots.plot_positions(metrics, title=note or None),
+    }
+    paths = {name: list(save_figure(fig, f"{prefix}_{name}", reports_dir)) for name, fig in figs.items()}
+    table = plots.summary_table(metrics, summaries)
+    paths["table"] = list(save_table(table, f"{prefix}_summary", reports_dir))
+    return figs, table, paths
+
+
+def data_note(runs: Mapping[str, tuple[Path, Path | None]]) -> str:
+    """The corpus labels of the runs (from their summaries), for figure titles: which data, and that it is
+    not FineWeb-Edu when it is not."""
+    import json
+
+    labels = []
+    for _, summary in runs.values():
+        if summary is not None:
+            lab = json.loads(Path(summary).read_text())["data"]["label"]
+            if lab not in labels:
+                labels.append(lab)
+    return "data: " + "; ".join(labels) if labels else "data: unknown (runs without summary.json)"

@@ -1,0 +1,250 @@
+"""twell.model: Llama with SparseFFN MLPs, Hugging Face save/load, loading the paper's checkpoint format."""
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from twell.model import (ModelConfig, build_model, from_hf_dict, load_pretrained, save_pretrained, set_ffn_path,
+                         set_tracking, sparse_ffns)
+from twell.nn import SparseFFN
+
+
+def _random_cfg(ffn="relu_gated", rng=None) -> ModelConfig:
+    """Small odd shapes: head counts and widths that are not powers of two."""
+    rng = rng or random.Random()
+    heads = rng.choice([1, 2, 3])
+    kv = rng.choice([h for h in (1, heads) if heads % h == 0])
+    return ModelConfig(vocab_size=rng.randint(50, 130), hidden_size=heads * rng.choice([8, 12, 16]),
+                       intermediate_size=rng.randint(17, 90), num_layers=rng.randint(1, 3), num_heads=heads,
+                       num_kv_heads=kv, ffn=ffn, max_position_embeddings=64, rope_theta=1e5)
+
+
+def _ids(mc: ModelConfig, b=2, t=None):
+    return torch.randint(0, mc.vocab_size, (b, t or random.randint(3, 17)))
+
+
+def _plain_llama(mc: ModelConfig, state: dict) -> LlamaForCausalLM:
+    hf = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+                     num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
+                     num_key_value_heads=mc.num_kv_heads, hidden_act=mc.activation, rms_norm_eps=mc.rms_norm_eps,
+                     tie_word_embeddings=True, rope_theta=mc.rope_theta, max_position_embeddings=64)
+    m = LlamaForCausalLM(hf)
+    m.load_state_dict(state, strict=False)
+    return m.eval()
+
+
+@pytest.mark.parametrize("ffn", ["relu_gated", "silu_gated"])
+def test_build_model_is_a_llama_with_sparse_ffns(ffn):
+    mc = _random_cfg(ffn)
+    model = build_model(mc).eval()
+    ffns = sparse_ffns(model)
+    assert len(ffns) == mc.num_layers and all(isinstance(f, SparseFFN) for f in ffns)
+    assert all(f.activation == mc.activation for f in ffns)
+    plain = _plain_llama(mc, model.state_dict())
+    assert set(model.state_dict()) == set(plain.state_dict())  # Llama parameter names, nothing extra
+    set_ffn_path(model, "dense")
+    x = _ids(mc)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+
+
+def test_rope_theta_and_config_fields_reach_transformers():
+    mc = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=2,
+                     rope_theta=12345.0)
+    cfg = build_model(mc).config
+    assert cfg.hidden_act == "relu" and cfg.tie_word_embeddings and cfg.twell_ffn == "relu_gated"
+    from twell.model.config import rope_theta_of
+
+    assert rope_theta_of(cfg) == 12345.0
+
+
+def test_nongated_variant_computes_relu_up():
+    mc = _random_cfg("relu")
+    model = build_model(mc).eval()
+    ffn = sparse_ffns(model)[0]
+    assert ffn.gate_proj is None and not any("gate_proj" in k for k in model.state_dict())
+    x = torch.randn(3, 5, mc.hidden_size)
+    with torch.no_grad():
+        ref = ffn.down_proj(torch.relu(ffn.up_proj(x)))
+        ffn.path = "dense"
+        torch.testing.assert_close(ffn(x), ref)
+
+
+def test_save_pretrained_loads_in_plain_transformers_with_identical_logits(tmp_path):
+    mc = _random_cfg()
+    model = build_model(mc).eval()
+    save_pretrained(model, None, tmp_path / "ck")
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "ck").eval()
+    assert type(plain.model.layers[0].mlp).__name__ == "LlamaMLP" and plain.config.hidden_act == "relu"
+    set_ffn_path(model, "dense")
+    x = _ids(mc)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+
+
+def test_bf16_sharded_save_and_twell_load_round_trip(tmp_path):
+    from twell.data.tokenizer import train_bpe
+
+    mc = _random_cfg()
+    mc.vocab_size = 300
+    tok = train_bpe(["a first tiny document about sparse models", "and a second one, about dense models"] * 20, 300)
+    model = build_model(mc).eval()
+    choice = {"kind": "trained", "name": "bpe300"}
+    save_pretrained(model, tok, tmp_path / "ck", max_shard_size="4KB", dtype=torch.bfloat16, tokenizer_choice=choice)
+    assert (tmp_path / "ck" / "model.safetensors.index.json").is_file()
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "ck").eval()
+    assert plain.dtype == torch.bfloat16
+    loaded, tok2 = load_pretrained(tmp_path / "ck", ffn_path="dense")
+    assert loaded.dtype == torch.bfloat16 and loaded.config.twell_tokenizer == choice
+    assert tok2 is not None and tok2.encode("sparse models") == tok.encode("sparse models")
+    x = _ids(mc)
+    with torch.no_grad():
+        a, b = loaded(input_ids=x).logits, plain(input_ids=x).logits
+        set_ffn_path(model, "dense")
+        c = model.to(torch.bfloat16)(input_ids=x).logits
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_save_does_not_change_the_model(tmp_path):
+    mc = _random_cfg()
+    model = build_model(mc)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save_pretrained(model, None, tmp_path / "ck", dtype="bf16")
+    assert all(torch.equal(before[k], v) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+
+
+def _paper_style_checkpoint(path, mc: ModelConfig, gated: bool, extra_state=None):
+    """A synthetic checkpoint in the format of the paper's released models (random weights, Llama keys)."""
+    state = {"model.embed_tokens.weight": torch.randn(mc.vocab_size, mc.hidden_size) * 0.5,
+             "model.norm.weight": 1 + 0.1 * torch.randn(mc.hidden_size)}
+    D, H, hd = mc.hidden_size, mc.intermediate_size, mc.hidden_size // mc.num_heads
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "self_attn.q_proj.weight"] = torch.randn(D, D) * 0.2
+        state[p + "self_attn.k_proj.weight"] = torch.randn(mc.num_kv_heads * hd, D) * 0.2
+        state[p + "self_attn.v_proj.weight"] = torch.randn(mc.num_kv_heads * hd, D) * 0.2
+        state[p + "self_attn.o_proj.weight"] = torch.randn(D, D) * 0.2
+        if gated:
+            state[p + "mlp.gate_proj.weight"] = torch.randn(H, D) * 0.2
+        state[p + "mlp.up_proj.weight"] = torch.randn(H, D) * 0.2
+        state[p + "mlp.down_proj.weight"] = torch.randn(D, H) * 0.2
+        state[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(D)
+        state[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(D)
+    state.update(extra_state or {})
+    path.mkdir(parents=True)
+    save_file(state, str(path / "model.safetensors"))
+    cfg = {  # as in the paper's SparseLlamaConfig: hidden_act says silu, the MLP is ReLU
+        "architectures": ["SparseLlamaForCausalLM"], "model_type": "llama_sparse_relu", "hidden_act": "silu",
+        "hidden_size": D, "intermediate_size": H, "num_hidden_layers": mc.num_layers,
+        "num_attention_heads": mc.num_heads, "num_key_value_heads": mc.num_kv_heads, "vocab_size": mc.vocab_size,
+        "rope_theta": 100000, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 64,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "float32", "attention_bias": False, "mlp_bias": False,
+        "sparsity_gated_mlp": gated, "sparsity_l1_coeff": 2e-5, "sparsity_new_intermediate_size": H,
+        "sparsity_reinitialize": True, "sparsity_mlp_execution_logic": "training",
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    return state
+
+
+def test_loads_paper_format_checkpoint_as_relu_gated_llama(tmp_path):
+    mc = _random_cfg()
+    state = _paper_style_checkpoint(tmp_path / "paper", mc, gated=True)
+    model, tok = load_pretrained(tmp_path / "paper", ffn_path="dense")
+    assert tok is None
+    ffns = sparse_ffns(model)
+    assert all(f.activation == "relu" and f.gated for f in ffns)
+    ref = _plain_llama(ModelConfig(**{**mc.to_dict(), "ffn": "relu_gated"}), state)  # hidden_act relu
+    x = _ids(mc)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_loads_paper_format_nongated_checkpoint(tmp_path):
+    mc = _random_cfg("relu")
+    state = _paper_style_checkpoint(tmp_path / "paper", mc, gated=False)
+    model, _ = load_pretrained(tmp_path / "paper")
+    ffn = sparse_ffns(model)[0]
+    assert not ffn.gated and torch.equal(ffn.up_proj.weight, state["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_load_rejects_mismatched_checkpoints(tmp_path):
+    mc = _random_cfg()
+    _paper_style_checkpoint(tmp_path / "extra", mc, gated=True, extra_state={"model.layers.0.mlp.bogus": torch.ones(2)})
+    with pytest.raises(ValueError, match="unexpected.*bogus"):
+        load_pretrained(tmp_path / "extra")
+    state = _paper_style_checkpoint(tmp_path / "missing", mc, gated=True)
+    state.pop("model.norm.weight")
+    save_file(state, str(tmp_path / "missing" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        load_pretrained(tmp_path / "missing")
+    cfg = json.loads((tmp_path / "extra" / "config.json").read_text())
+    cfg["intermediate_size"] = cfg["sparsity_new_intermediate_size"] = mc.intermediate_size + 1
+    _paper_style_checkpoint(tmp_path / "shape", mc, gated=True)
+    (tmp_path / "shape" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="wrong shape"):
+        load_pretrained(tmp_path / "shape")
+
+
+def test_load_errors_name_the_problem(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="checkpoint directory"):
+        load_pretrained(tmp_path / "nope")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache only"):
+        load_pretrained("twell-tests/definitely-not-cached")
+    with pytest.raises(ValueError, match="hidden_act"):
+        from_hf_dict({"model_type": "llama", "hidden_act": "gelu", "hidden_size": 8, "intermediate_size": 8,
+                      "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 10})
+
+
+def test_set_ffn_path_and_tracking():
+    mc = _random_cfg()
+    model = build_model(mc).eval()
+    with pytest.raises(ValueError, match="path must be one of"):
+        set_ffn_path(model, "fast")
+    silu = build_model(_random_cfg("silu_gated"))
+    with pytest.raises(ValueError, match="layer 0"):
+        set_ffn_path(silu, "reference")
+    set_tracking(model, True)
+    x = _ids(mc)
+    with torch.no_grad():
+        model(input_ids=x)
+    for f in sparse_ffns(model):
+        assert f.stats is not None and f.stats.active_per_token.shape == x.shape
+    set_tracking(model, False)
+    assert all(f.stats is None and not f.track for f in sparse_ffns(model))
+
+
+def test_reference_inference_path_matches_dense():
+    """The sparse (TwELL reference, bf16) inference path gives the dense logits; the module says which path ran.
+
+    Tolerance rule: the sparse path's error against fp32 is at most a small multiple of dense bf16's error.
+    """
+    mc = _random_cfg()
+    mc.intermediate_size = 256 + random.randint(0, 40)
+    model = build_model(mc).eval()
+    x = _ids(mc)
+    with torch.no_grad():
+        set_ffn_path(model, "dense")
+        ref = model(input_ids=x).logits
+        model.to(torch.bfloat16)
+        dense = model(input_ids=x).logits.float()
+        set_ffn_path(model, "reference")
+        sparse = model(input_ids=x).logits.float()
+    assert all(f.last_path == "twell-reference" for f in sparse_ffns(model))
+    bf16_err = (dense - ref).abs().max().item()
+    assert (sparse - ref).abs().max().item() <= 3 * bf16_err + 1e-3
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match="model.ffn"):
+        ModelConfig(ffn="gelu")
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(hidden_size=30, num_heads=4)
+    with pytest.raises(ValueError, match="unknown key"):
+        ModelConfig.from_dict({"hidden": 3})
+    with pytest.raises(TypeError, match="ModelConfig"):
+        build_model(42)

@@ -1,0 +1,228 @@
+"""twell.train pieces: configs, schedules, the L1 recipe, the sparsity tracker, re-initialisation, AC."""
+import random
+
+import pytest
+import torch
+
+from twell.model import ModelConfig, build_model, set_tracking, sparse_ffns
+from twell.paths import repo_root
+from twell.train import (RunConfig, SparsityTracker, l1_coef_at, l1_penalty, load_config, lr_at, parse_overrides,
+                         reinit_dead_gates, sparse_lm_loss)
+from twell.train.config import config_path
+from twell.train.parallel import apply_activation_checkpointing
+
+CONFIGS = sorted(p.stem for p in (repo_root() / "configs").glob("*.yaml"))
+PAPER = {"0p5b": (8, 10_000), "1b": (18, 20_000), "1p5b": (28, 30_000), "2b": (38, 40_000)}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_loads_and_validates(name):
+    cfg = load_config(name)
+    cfg.validate(world_size=1)
+    assert cfg.name == name
+    assert cfg.model.max_position_embeddings >= cfg.train.seq_len
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_configs_have_the_paper_hyperparameters(name):
+    layers, steps = PAPER[name]
+    c = load_config(name)
+    m, t, o = c.model, c.train, c.optim
+    assert (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.num_layers) == (2048, 5632, 32, 32, layers)
+    assert (m.vocab_size, m.rope_theta, m.ffn, m.tie_embeddings) == (49152, 1e5, "relu_gated", True)
+    assert (t.seq_len, t.global_batch, t.steps, t.precision) == (2048, 512, steps, "bf16")
+    assert c.tokens_per_step == 1_048_576
+    assert (o.lr, o.weight_decay, o.beta1, o.beta2, o.warmup_steps, o.grad_clip) == (1e-3, 0.1, 0.9, 0.95, 600, 1.0)
+    assert c.sparsity.l1_coef == 2e-5
+    assert c.data.source == "fineweb-edu" and c.data.hub_tokenizer == "HuggingFaceTB/SmolLM2-135M"
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n.endswith("_dense")])
+def test_dense_baselines_differ_only_in_l1(name):
+    dense, sparse = load_config(name).to_dict(), load_config(name[: -len("_dense")]).to_dict()
+    assert dense["sparsity"]["l1_coef"] == 0.0 and sparse["sparsity"]["l1_coef"] > 0
+    for d in (dense, sparse):
+        d["sparsity"].pop("l1_coef")
+        d.pop("name")
+        d.pop("description")
+    assert dense == sparse
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stepz'\] in train"):
+        load_config("tiny", ["train.stepz=3"])
+    with pytest.raises(ValueError, match="unknown top-level"):
+        load_config({"base": "tiny", "trian": {}})
+    with pytest.raises(ValueError, match=r"global_batch \(16\) must be divisible by train.micro_batch \(3\)"):
+        load_config("tiny", ["train.global_batch=16", "train.micro_batch=3"]).validate()
+    with pytest.raises(ValueError, match=r"x world size \(3\)"):
+        load_config("tiny", ["train.global_batch=16", "train.micro_batch=4"]).validate(world_size=3)
+    with pytest.raises(ValueError, match="exceeds model.max_position_embeddings"):
+        load_config("tiny", ["train.seq_len=100000"]).validate()
+    with pytest.raises(ValueError, match="needs a ReLU FFN"):
+        load_config("tiny", ["model.ffn=silu_gated"]).validate()
+    with pytest.raises(ValueError, match="single-process"):
+        load_config("tiny", ["sparsity.reinit_dead=true", "train.micro_batch=2"]).validate(world_size=2)
+    with pytest.raises(ValueError, match="must be an integer"):
+        load_config("tiny", ["train.steps=many"])
+    with pytest.raises(ValueError, match="bad override"):
+        parse_overrides(["train.steps"])
+    with pytest.raises(FileNotFoundError, match="no config named"):
+        config_path("no-such-config")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ValueError, match="inheritance loop"):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_overrides_parse_numbers_yaml_reads_as_text():
+    c = load_config("tiny", ["sparsity.l1_coef=3e-5", "train.steps=1e3", "optim.lr=2E-3", "train.max_wall_seconds=null"])
+    assert c.sparsity.l1_coef == 3e-5 and c.train.steps == 1000 and c.optim.lr == 2e-3
+    assert c.train.max_wall_seconds is None
+    assert RunConfig.from_dict(c.to_dict()).to_dict() == c.to_dict()
+
+
+def test_lr_schedule():
+    kw = dict(lr=1e-3, warmup_steps=600, total_steps=10_000, min_lr_ratio=0.0)
+    assert lr_at(0, **kw) == pytest.approx(1e-3 / 600)
+    assert lr_at(599, **kw) == pytest.approx(1e-3)
+    assert lr_at(600, **kw) == pytest.approx(1e-3)
+    assert lr_at(600 + 9400 // 2, **kw) == pytest.approx(5e-4)
+    assert lr_at(10_000, **kw) == pytest.approx(0.0, abs=1e-12)
+    vals = [lr_at(s, **kw) for s in range(600, 10_000, 97)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+    assert lr_at(10_000, **{**kw, "min_lr_ratio": 0.1}) == pytest.approx(1e-4)
+    assert l1_coef_at(0, coef=2e-5, warmup_steps=0) == 2e-5
+    assert l1_coef_at(49, coef=2e-5, warmup_steps=100) == pytest.approx(1e-5)
+    assert l1_coef_at(500, coef=2e-5, warmup_steps=100) == 2e-5
+
+
+def _tiny_model(ffn="relu_gated", layers=None):
+    mc = ModelConfig(vocab_size=97, hidden_size=24, intermediate_size=random.randint(20, 70),
+                     num_layers=layers or random.randint(1, 3), num_heads=2, num_kv_heads=2, ffn=ffn,
+                     max_position_embeddings=64)
+    model = build_model(mc)
+    set_tracking(model, True)
+    return mc, model
+
+
+@pytest.mark.parametrize("ffn", ["relu_gated", "relu"])
+def test_l1_penalty_is_the_papers_normalisation(ffn):
+    mc, model = _tiny_model(ffn)
+    x = torch.randint(0, mc.vocab_size, (3, random.randint(4, 11)))
+    hs = []
+    hooks = [f.register_forward_hook(lambda mod, inp, out: hs.append(mod.hidden(inp[0])[1])) for f in sparse_ffns(model)]
+    logits = model(input_ids=x).logits
+    for h in hooks:
+        h.remove()
+    want = torch.stack([h.abs().sum(-1).mean() for h in hs]).mean()  # sum hidden, mean tokens, mean layers
+    torch.testing.assert_close(l1_penalty(sparse_ffns(model)), want)
+    parts = sparse_lm_loss(logits, x, sparse_ffns(model), coef=2e-5)
+    torch.testing.assert_close(parts.loss, parts.ce + 2e-5 * want.detach())
+    parts.loss.backward()
+    w = sparse_ffns(model)[0].up_proj.weight
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_l1_gradient_pushes_hidden_activations_down():
+    """With CE switched off (coef only), an optimizer step on the L1 term lowers the L1 term."""
+    mc, model = _tiny_model()
+    x = torch.randint(0, mc.vocab_size, (4, 9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model(input_ids=x)
+    before = l1_penalty(sparse_ffns(model))
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        model(input_ids=x)
+    assert l1_penalty(sparse_ffns(model)).item() < before.item()
+
+
+def test_l1_penalty_errors():
+    with pytest.raises(ValueError, match="no SparseFFN"):
+        l1_penalty([])
+    mc, model = _tiny_model()
+    set_tracking(model, False)
+    with pytest.raises(RuntimeError, match="set_tracking"):
+        l1_penalty(sparse_ffns(model))
+    with pytest.raises(ValueError, match="matching targets"):
+        sparse_lm_loss(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long), sparse_ffns(model), 0.0)
+
+
+class _FakeStats:
+    def __init__(self, apt, active):
+        self.active_per_token, self.neuron_active = apt, active
+
+
+class _FakeFFN:
+    def __init__(self, apt, active):
+        self.stats = _FakeStats(apt, active)
+
+
+def test_tracker_counts_active_dead_and_positions():
+    L, H, T, B = 3, 10, 8, 4
+    tr = SparsityTracker(L, H, T, window_tokens=2 * B * T, device="cpu", position_bins=4)
+    apt = torch.randint(0, H + 1, (L, B, T), dtype=torch.int32)
+    active = torch.zeros(L, H, dtype=torch.bool)
+    active[:, :6] = True  # neurons 6..9 never fire
+    tr.observe([_FakeFFN(apt[l], active[l]) for l in range(L)])
+    out = tr.end_step()
+    torch.testing.assert_close(torch.tensor(out["active_mean"], dtype=torch.float64), apt.double().mean((1, 2)))
+    assert out["active_max"] == apt.amax((1, 2)).double().tolist()
+    assert out["dead_frac"] == [0.0] * L  # silent for one step = B*T tokens < window
+    tr.observe([_FakeFFN(apt[l], active[l]) for l in range(L)])
+    out = tr.end_step()
+    assert out["dead_frac"] == [0.4] * L  # now silent for 2*B*T tokens
+    active[:, 7] = True
+    tr.observe([_FakeFFN(apt[l], active[l]) for l in range(L)])
+    assert tr.end_step()["dead_frac"] == [pytest.approx(0.3)] * L  # firing resets the counter
+    pos = tr.positions()
+    assert pos["edges"] == [0, 2, 4, 6, 8] and pos["sequences"] == 3 * B
+    torch.testing.assert_close(torch.tensor(pos["active"], dtype=torch.float64),
+                               apt.double().mean(1).view(L, 4, 2).mean(-1))
+    assert tr.positions() == {}  # reset after reading
+    state = tr.state_dict()
+    tr2 = SparsityTracker(L, H, T, window_tokens=2 * B * T, device="cpu")
+    tr2.load_state_dict(state)
+    assert torch.equal(tr2.dead_mask(), tr.dead_mask())
+    with pytest.raises(RuntimeError, match="without any observe"):
+        tr.end_step()
+    with pytest.raises(ValueError, match="expected 3 SparseFFN"):
+        tr.observe([])
+
+
+def test_reinit_dead_gates_touches_only_dead_rows():
+    mc, model = _tiny_model(layers=2)
+    ffns = sparse_ffns(model)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, mc.vocab_size, (2, 7))
+    model(input_ids=x).logits.sum().backward()
+    opt.step()
+    dead = torch.zeros(2, mc.intermediate_size, dtype=torch.bool)
+    dead[1, [0, 3]] = True
+    before = [f.gate_proj.weight.detach().clone() for f in ffns]
+    n = reinit_dead_gates(ffns, dead, opt, std=0.02, generator=torch.Generator().manual_seed(0))
+    assert n == 2
+    assert torch.equal(ffns[0].gate_proj.weight, before[0])
+    changed = (ffns[1].gate_proj.weight != before[1]).any(1)
+    assert changed.tolist() == dead[1].tolist()
+    assert (opt.state[ffns[1].gate_proj.weight]["exp_avg"][[0, 3]] == 0).all()
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    mc, model = _tiny_model(layers=2)
+    model_ac = build_model(mc)
+    model_ac.load_state_dict(model.state_dict())
+    set_tracking(model_ac, True)
+    apply_activation_checkpointing(model_ac)
+    model.train()
+    model_ac.train()
+    x = torch.randint(0, mc.vocab_size, (2, 9))
+    losses = []
+    for m in (model, model_ac):
+        parts = sparse_lm_loss(m(input_ids=x, use_cache=False).logits, x, sparse_ffns(m), coef=1e-2)
+        parts.loss.backward()
+        losses.append(parts.loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert set(model_ac.state_dict()) == set(model.state_dict())  # wrapper leaves the keys alone
+    for (n, p), (_, q) in zip(model.named_parameters(), model_ac.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

@@ -1,0 +1,202 @@
+"""End-to-end training runs on CPU: outputs, errors, wall-clock stop, kill-and-resume, torchrun (gloo) vs one process,
+and the sparsity the L1 recipe produces (tiny config, L1 2e-5 vs 0).
+
+Runs use a fixture corpus: the smoke corpus (installed packages' metadata, not FineWeb-Edu), tokenised once per session.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from transformers import LlamaForCausalLM
+
+from twell.data import DataConfig, prepare_data
+from twell.model import load_pretrained
+from twell.paths import repo_root
+from twell.train import read_metrics, run
+
+ENV = {**os.environ, "PYTHONPATH": str(repo_root() / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def smoke_data(tmp_path_factory):
+    return prepare_data(DataConfig(source="smoke", vocab_size=512, max_docs=150),
+                        out_dir=tmp_path_factory.mktemp("data") / "smoke512", progress=False)
+
+
+def _cfg(data, **train):
+    t = {"steps": 12, "seq_len": 32, "global_batch": 8, "micro_batch": 4, "precision": "fp32", "device": "cpu",
+         "eval_every": 6, "eval_tokens": 2048, "ckpt_every": 4, "export_dtype": "fp32", "progress": False}
+    t.update(train)
+    return {"name": "t", "model": {"vocab_size": 512, "hidden_size": 48, "intermediate_size": 96, "num_layers": 2,
+                                   "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 64},
+            "data": {"source": str(data.dir)}, "train": t, "optim": {"lr": 3e-3, "warmup_steps": 3},
+            "sparsity": {"l1_coef": 2e-5, "positions_every": 4}}
+
+
+def _yaml(tmp_path, cfg, name="cfg.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _train_ce(metrics_path):
+    return [(r["step"], r["ce"]) for r in read_metrics(metrics_path)["train"]]
+
+
+@pytest.mark.slow
+def test_cli_run_writes_metrics_summary_and_a_transformers_checkpoint(tmp_path, smoke_data):
+    cfg = _yaml(tmp_path, _cfg(smoke_data))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "twell.train", "--config", str(cfg), "--out", str(out)]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs["train"]] == list(range(1, 13))
+    assert [r["step"] for r in recs["val"]] == [6, 12]
+    assert {e["event"] for e in recs["event"]} >= {"start", "end"}
+    tr = recs["train"][-1]
+    assert len(tr["active_mean"]) == 2 and len(tr["dead_frac"]) == 2 and 0 < tr["active_frac"] < 1
+    assert len(recs["positions"][-1]["active"]) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps_done"] == 12 and not summary["stopped_early"]
+    assert "smoke corpus" in summary["data"]["label"] and summary["data"]["tokenizer"]["kind"] == "trained"
+    assert summary["final"]["val_ce"] == recs["val"][-1]["val_ce"]
+    # The export loads in plain transformers (ReLU-gated Llama) and in twell, with the same logits.
+    plain = LlamaForCausalLM.from_pretrained(out / "final").eval()
+    model, tok = load_pretrained(out / "final", ffn_path="dense")
+    assert model.config.twell_tokenizer["kind"] == "trained" and tok is not None
+    x = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=x).logits, model(input_ids=x).logits)
+    # A second run into the same directory must be explicit.
+    again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_run_errors_are_clear(tmp_path, smoke_data):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run(_cfg(smoke_data), data=str(tmp_path / "no-such-corpus.jsonl"), out=tmp_path / "a")
+    bad = _cfg(smoke_data)
+    bad["model"]["vocab_size"] = 300
+    with pytest.raises(ValueError, match="vocab mismatch"):
+        run(bad, out=tmp_path / "b")
+    with pytest.raises(ValueError, match="divisible"):
+        run(_cfg(smoke_data, micro_batch=3), out=tmp_path / "c")
+
+
+def test_wall_clock_guard_saves_and_stops(tmp_path, smoke_data):
+    res = run(_cfg(smoke_data, steps=100_000, max_wall_seconds=6.0, wall_reserve_s=0.0), out=tmp_path / "w")
+    s = res.summary
+    assert s["stopped_early"] and 0 < s["steps_done"] < 100_000 and "wall-clock" in s["stop_reason"]
+    assert res.checkpoint_dir is not None and res.checkpoint_dir.name == f"step_{s['steps_done']:07d}"
+    assert (res.hf_dir / "config.json").is_file()
+    assert any(e["event"] == "stop" for e in read_metrics(res.metrics_path)["event"])
+
+
+def test_reinit_dead_neurons_runs_and_logs(tmp_path, smoke_data):
+    cfg = _cfg(smoke_data, steps=6)
+    cfg["sparsity"].update(reinit_dead=True, reinit_every=2, dead_window_tokens=1)
+    res = run(cfg, out=tmp_path / "r")
+    events = [e for e in read_metrics(res.metrics_path)["event"] if e["event"] == "reinit"]
+    assert [e["step"] for e in events] == [2, 4, 6] and all(e["neurons"] >= 0 for e in events)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, smoke_data):
+    steps, every = 80, 20
+    ref = run(_cfg(smoke_data, steps=steps, ckpt_every=every, eval_every=40), out=tmp_path / "ref")
+    cfg = _yaml(tmp_path, _cfg(smoke_data, steps=steps, ckpt_every=every, eval_every=40))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "twell.train", "--config", str(cfg), "--out", str(out)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed_at = None
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        latest = out / "ckpt" / "latest.json"
+        if latest.is_file() and json.loads(latest.read_text())["step"] >= every and (out / "metrics.jsonl").is_file():
+            logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+                      if '"kind": "train"' in x]
+            if logged and logged[-1] >= every + 5:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                killed_at = logged[-1]
+                break
+        time.sleep(0.005)
+    assert killed_at is not None and proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert killed_at < steps
+    res = run(cfg, out=out, resume=True)
+    recs = read_metrics(res.metrics_path)
+    assert any(e["event"] == "resume" for e in recs["event"])
+    got, want = _train_ce(res.metrics_path), _train_ce(ref.metrics_path)
+    assert [s for s, _ in got] == list(range(1, steps + 1))  # records past the checkpoint were dropped, then redone
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert [r["val_ce"] for r in recs["val"]] == pytest.approx([r["val_ce"] for r in read_metrics(ref.metrics_path)["val"]],
+                                                               rel=1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_process(tmp_path, smoke_data):
+    cfg = _cfg(smoke_data, steps=8, eval_every=4, ckpt_every=100)
+    single = run(cfg, out=tmp_path / "single")  # 1 process: 2 micro-batches of 4 per step
+    cfg_ac = json.loads(json.dumps(cfg))
+    cfg_ac["train"]["activation_checkpointing"] = True  # FSDP2 wraps the checkpointed layers
+    path = _yaml(tmp_path, cfg_ac)
+    out = tmp_path / "fsdp"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "twell.train", "--config", str(path), "--out", str(out)],
+                          env={**ENV, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = read_metrics(single.metrics_path), read_metrics(out / "metrics.jsonl")
+    assert "FSDP2" in b["event"][0]["describe"] and "2 ranks" in b["event"][0]["describe"]
+    assert [r["ce"] for r in b["train"]] == pytest.approx([r["ce"] for r in a["train"]], rel=1e-4)
+    assert [r["val_ce"] for r in b["val"]] == pytest.approx([r["val_ce"] for r in a["val"]], rel=1e-4)
+    for ra, rb in zip(a["train"], b["train"]):
+        assert rb["active_mean"] == pytest.approx(ra["active_mean"], rel=2e-3)
+    # The FSDP run's export is a plain checkpoint with the single run's weights (up to reduction order).
+    m1, _ = load_pretrained(single.hf_dir, ffn_path="dense")
+    m2, _ = load_pretrained(out / "final", ffn_path="dense")
+    for (k, p), (_, q) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+def test_l1_makes_the_tiny_model_sparser_than_its_dense_twin(tmp_path, smoke_data):
+    """The tiny config (1 layer here, 1000 steps of 256 tokens) with L1 2e-5 vs the same run with L1 0.
+
+    Measured on the development machine (2 CPU cores): mean active neurons per token over the last 100
+    steps 330 (L1 2e-5) vs 426 (L1 0) of 1024, i.e. about 22 % fewer; validation CE 3.416 vs 3.429.
+    At this width and step budget the paper's coefficient acts slowly (see the report); the assertion
+    asks for at least 10 % fewer active neurons in every layer and a validation CE within 3 %.
+    """
+    over = ["model.vocab_size=512", "model.num_layers=1", "train.steps=1000", "train.eval_every=100000",
+            "train.ckpt_every=100000", "train.eval_tokens=4096", "train.progress=false"]
+    res = {}
+    for coef in (2e-5, 0.0):
+        r = run("tiny", data=str(smoke_data.dir), out=tmp_path / f"c{coef}", overrides=over + [f"sparsity.l1_coef={coef}"])
+        tail = read_metrics(r.metrics_path)["train"][-100:]
+        res[coef] = ([sum(x["active_mean"][i] for x in tail) / len(tail) for i in range(1)], r.summary["final"]["val_ce"])
+    (sparse, ce_s), (dense, ce_d) = res[2e-5], res[0.0]
+    print(f"active per token, last 100 steps: L1 2e-5 {sparse} vs L1 0 {dense}; val CE {ce_s:.4f} vs {ce_d:.4f}")
+    assert all(s < 0.9 * d for s, d in zip(sparse, dense)), (sparse, dense)
+    assert ce_s < 1.03 * ce_d
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_bf16_cuda_run(tmp_path, smoke_data, compile_layers):
+    """One GPU, bf16 autocast, fused AdamW (and torch.compile of each layer): finite, decreasing loss and a loadable export."""
+    cfg = _cfg(smoke_data, steps=30, precision="bf16", device="cuda", export_dtype="bf16", eval_every=15,
+               compile=compile_layers, micro_batch=8)
+    res = run(cfg, out=tmp_path / "gpu")
+    ce = [r["ce"] for r in read_metrics(res.metrics_path)["train"]]
+    assert all(map(lambda v: v == v and v < 20, ce)) and ce[-1] < ce[0]
+    assert res.summary["device"] != "cpu"
+    plain = LlamaForCausalLM.from_pretrained(res.hf_dir)
+    assert plain.dtype == torch.bfloat16
