@@ -69,6 +69,18 @@ def test_default_sources_are_every_cu_and_cpp(tmp_path):
     assert [p.name for p in build.default_sources(tmp_path)] == ["a.cpp", "b.cu"]
 
 
+
+@pytest.fixture(autouse=True)
+def _fresh_prerequisites():
+    """available() caches the machine's prerequisites per process; the tests fake machines."""
+    from twell.kernels import build
+
+    build._prerequisites.cache_clear()
+    build.default_loader().default_module = None
+    yield
+    build._prerequisites.cache_clear()
+    build.default_loader().default_module = None
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons given on a machine without CUDA")
 def test_available_says_why_not_on_cpu(monkeypatch):
     def no_build(*a, **k):
@@ -96,15 +108,18 @@ def test_available_reasons_with_faked_devices(monkeypatch, tmp_path):
 
     _fake_gpu(monkeypatch)
     monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    build._prerequisites.cache_clear()  # each fake is another machine: forget the cached checks
     ok, why = kernels.available()
     assert not ok and "nvcc" in why and "CUDA_HOME" in why and not calls
 
     monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
     monkeypatch.setattr(build, "csrc_dir", lambda: tmp_path)  # empty: no sources
+    build._prerequisites.cache_clear()
     ok, why = kernels.available()
     assert not ok and "no .cu/.cpp sources" in why and not calls
 
     (tmp_path / "k.cu").write_text("")
+    build._prerequisites.cache_clear()
     ok, why = kernels.available(build=False)
     assert ok and "not built" in why and not calls
     ok, why = kernels.available(build=True)
@@ -114,6 +129,7 @@ def test_available_reasons_with_faked_devices(monkeypatch, tmp_path):
         raise build.BuildError("building failed\ncompiler output (tail):\nerror: boom", tmp_path, "error: boom")
 
     monkeypatch.setattr(build.ExtensionLoader, "load", failing)
+    build.default_loader().default_module = None  # forget the module "loaded" above
     ok, why = kernels.available()
     assert not ok and why.startswith("build failed") and "boom" in why
 
@@ -185,3 +201,16 @@ def test_gpu_available_builds_csrc():
     ok, why = kernels.available(build=True)
     assert ok, why  # a build failure of csrc/ fails here with the compiler output
     assert kernels.load() is kernels.load()
+
+
+def test_load_reuses_the_module_without_rehashing(monkeypatch):
+    """The ops call load() on every call: after the first success no source is re-read."""
+    calls = []
+    monkeypatch.setattr(build.ExtensionLoader, "load", lambda self, *a, **k: calls.append(1) or "module")
+    assert build.load() == "module" and build.load() == "module" and calls == [1]
+    monkeypatch.setattr(build.ExtensionSpec, "fingerprint", lambda self: pytest.fail("re-hashed the sources"))
+    assert build.load() == "module"
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(build.ExtensionLoader, "load", lambda self, *a, **k: calls.append(1) or "rebuilt")
+    assert build.load(retry=True) == "rebuilt" and calls == [1]

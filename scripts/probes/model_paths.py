@@ -43,7 +43,8 @@ def main(ckpt, val_bin, batch=16, seq=1024):
                 b.synchronize()
                 times.append(a.elapsed_time(b))
             out[path] = {"ran": ran, "val_ce": ce, "forward_ms_median": sorted(times)[5],
-                         "overflow_rows_last_layer": ffns[-1].last_info.get("overflow_rows")}
+                         "overflow_rows_last_layer": (ffns[-1].last_gate.n_overflow_rows
+                                                         if ffns[-1].last_gate is not None else None)}
     ref = logits["dense"]
     for path in ("reference", "kernel"):
         d = logits[path] - ref

@@ -181,6 +181,7 @@ class ExtensionLoader:
     def __init__(self):
         self._modules: dict[str, object] = {}
         self._errors: dict[str, BuildError] = {}
+        self.default_module = None  # what load() returned first; reused without re-hashing csrc/
 
     def load(self, spec: ExtensionSpec | None = None, verbose: bool = False, retry: bool = False):
         """Build (if needed) and import the extension; raises BuildError with the compiler output."""
@@ -247,9 +248,16 @@ def load(verbose: bool = False, retry: bool = False):
     """Build (cached on disk by hash) and import the extension from csrc/; returns the module.
 
     Raises BuildError (message: compiler output tail and build directory) when the build fails;
-    a failed build is remembered for this process unless ``retry=True``.
+    a failed build is remembered for this process unless ``retry=True``. The ops call this on every
+    call, so after the first success the module is returned without re-reading and re-hashing the
+    sources (that host work would sit inside every timed kernel call); ``retry=True`` looks again,
+    e.g. after editing csrc/ in a running process.
     """
-    return default_loader().load(ExtensionSpec.from_dir(), verbose=verbose, retry=retry)
+    loader = default_loader()
+    if loader.default_module is not None and not retry:
+        return loader.default_module
+    loader.default_module = loader.load(ExtensionSpec.from_dir(), verbose=verbose, retry=retry)
+    return loader.default_module
 
 
 def available(build: bool = True) -> tuple[bool, str]:
@@ -259,6 +267,21 @@ def available(build: bool = True) -> tuple[bool, str]:
     also builds/loads the extension (a build failure is a reason), with ``build=False`` builds
     nothing.
     """
+    reasons, detail = _prerequisites()
+    if reasons:
+        return False, "; ".join(reasons)
+    if not build:
+        return True, detail
+    try:
+        module = load()
+    except BuildError as err:
+        return False, f"build failed: {err}"
+    return True, f"loaded {getattr(module, '__file__', module)}"
+
+
+@functools.lru_cache(maxsize=1)
+def _prerequisites() -> tuple[tuple[str, ...], str]:
+    """(reasons the kernels cannot run, description when they can); fixed for a process."""
     reasons = []
     if torch.version.cuda is None:
         reasons.append(f"no CUDA: torch {torch.__version__} is a CPU-only build")
@@ -278,15 +301,9 @@ def available(build: bool = True) -> tuple[bool, str]:
     if not sources:
         reasons.append(f"no .cu/.cpp sources in {csrc_dir()}")
     if reasons:
-        return False, "; ".join(reasons)
-    if not build:
-        return True, (f"prerequisites present ({torch.cuda.get_device_name()}, nvcc {nvcc_version(nvcc)}, "
-                      f"{len(sources)} sources); not built (build=False)")
-    try:
-        module = load()
-    except BuildError as err:
-        return False, f"build failed: {err}"
-    return True, f"loaded {getattr(module, '__file__', module)}"
+        return tuple(reasons), ""
+    return (), (f"prerequisites present ({torch.cuda.get_device_name()}, nvcc {nvcc_version(nvcc)}, "
+                f"{len(sources)} sources); not built (build=False)")
 
 
 # ------------------------------------------------------------------ ptxas report

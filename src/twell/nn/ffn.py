@@ -79,7 +79,7 @@ class SparseFFN(nn.Module):
         self.track_l1 = True
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
-        self.last_info: dict = {}
+        self.last_gate = None  # the TwELL of the last sparse forward (inspect lazily: no host sync)
         self._w_down_t: Optional[torch.Tensor] = None
         self._w_down_t_version: Optional[tuple] = None
 
@@ -126,7 +126,8 @@ class SparseFFN(nn.Module):
         if path == "auto":
             from twell import kernels
 
-            ok, _ = kernels.available(build=False) if x.is_cuda else (False, "input on CPU")
+            # available() is cached per process; a failed build makes "auto" use the reference
+            ok, _ = kernels.available() if x.is_cuda else (False, "input on CPU")
             path = "kernel" if ok else "reference"
         return self._sparse(x, use_kernel=(path == "kernel"))
 
@@ -187,5 +188,5 @@ class SparseFFN(nn.Module):
             act = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_ffn(act, self.w_down_t())
             gate = act
-        self.last_info = {"overflow_rows": gate.n_overflow_rows, "rows": x2.shape[0]}
+        self.last_gate = gate
         return out.reshape(*shape[:-1], out.shape[-1])
