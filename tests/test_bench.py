@@ -189,8 +189,8 @@ def test_harness_unavailable_impl_exit_code(tmp_path):
 
 def test_harness_training_cases(tmp_path):
     def good(x, w_gate, w_up, w_down):
-        h = torch.relu(x @ w_gate.t())
-        return (h * (x @ w_up.t())) @ w_down.t(), h.abs().sum(-1).float().mean()
+        h = torch.relu(x @ w_gate.t()) * (x @ w_up.t())  # the recipe's hidden activation
+        return h @ w_down.t(), h.abs().sum(-1, dtype=torch.float32).mean()
 
     def bad_l1(x, w_gate, w_up, w_down):
         out, l1 = good(x, w_gate, w_up, w_down)

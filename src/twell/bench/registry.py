@@ -6,7 +6,8 @@ region), out bf16 [M, D].
 
 Training contract: ``fn(x, w_gate, w_up, w_down) -> (out, l1)`` differentiable with respect to
 all four (leaf tensors requiring grad, nn.Linear layouts), where
-``l1 = h.abs().sum(-1).float().mean()`` of the gate activation h; the harness runs the backward.
+``l1`` = |h| summed over hidden units (fp32), mean over tokens, where h = relu(x Wg^T) * (x Wu^T) is
+the recipe's hidden activation (as in SparseFFN); the harness runs the backward.
 
 A factory returns the callable or raises ImplUnavailable(reason); it runs only when the
 implementation is asked for, so a registry can name kernels that do not build here.
@@ -62,21 +63,13 @@ def _twell_kernel() -> Callable:
     ok, why = kernels.available()
     if not ok:
         raise ImplUnavailable(f"twell.kernels not available: {why}")
-    sparse_gated_ffn = kernels.sparse_gated_ffn
-
-    def fn(x, w_gate, w_up, w_down_t):
-        return sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile=256, compression=8)
-
-    return fn
+    return kernels.sparse_gated_ffn  # default TwELL format: tile 256, compression 8
 
 
 def _twell_reference() -> Callable:
-    from twell.reference import twell_gate, twell_gated_ffn
+    from twell.reference import sparse_gated_ffn
 
-    def fn(x, w_gate, w_up, w_down_t):
-        return twell_gated_ffn(x, twell_gate(x, w_gate, tile=256, compression=8), w_up, w_down_t)
-
-    return fn
+    return sparse_gated_ffn
 
 
 def default_registry() -> Registry:

@@ -65,3 +65,14 @@ def check_tiling(tile: int, compression: int) -> int:
     if slots < 2:
         raise ValueError(f"T/C = {tile}/{compression} leaves {slots} slot per tile; need >= 2 (count + 1 entry)")
     return slots
+
+
+def leading_nonzeros(h: torch.Tensor, k: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, columns) of the first ``k`` nonzeros of each row of ``h`` along the last dimension,
+    in ascending column order; slots past a row's count (``counts``, int) hold (0, column 0)."""
+    nonzero = h != 0  # NaN counts as a nonzero
+    order = torch.sort((~nonzero).to(torch.int8), dim=-1, stable=True).indices[..., :k]
+    valid = torch.arange(order.shape[-1], device=h.device) < counts[..., None]
+    vals = torch.where(valid, torch.gather(h, -1, order), torch.zeros((), dtype=h.dtype, device=h.device))
+    cols = torch.where(valid, order, torch.zeros((), dtype=order.dtype, device=h.device))
+    return vals, cols

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twell.formats.checks import check_tensor
+from twell.formats.checks import check_tensor, leading_nonzeros
 
 
 class HybridStatus(enum.Enum):
@@ -96,18 +96,16 @@ def pack_hybrid(h: torch.Tensor, width: int = 128, capacity: int | None = None) 
         capacity = -(-M // 8)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
-    nonzero = h != 0  # NaN counts as a nonzero
-    row_nnz = nonzero.sum(-1, dtype=torch.int32)
+    row_nnz = (h != 0).sum(-1, dtype=torch.int32)  # NaN counts as a nonzero
     heavy = row_nnz > width
     heavy_rows = heavy.nonzero().flatten()
     n_heavy = int(heavy_rows.numel())
     k = min(width, H)
-    order = torch.sort((~nonzero).to(torch.int8), dim=-1, stable=True).indices[:, :k]
     values = torch.zeros(M, width, dtype=torch.bfloat16, device=h.device)
     cols = torch.zeros(M, width, dtype=torch.int32, device=h.device)
-    valid = (torch.arange(k, device=h.device) < row_nnz[:, None]) & ~heavy[:, None]
-    values[:, :k] = torch.where(valid, torch.gather(h, 1, order), torch.zeros((), dtype=h.dtype, device=h.device))
-    cols[:, :k] = torch.where(valid, order.to(torch.int32), torch.zeros((), dtype=torch.int32, device=h.device))
+    # heavy rows keep no ELL entries (count 0 here): they live in the dense backup
+    values[:, :k], lead = leading_nonzeros(h, k, torch.where(heavy, 0, row_nnz))
+    cols[:, :k] = lead.to(torch.int32)
     if n_heavy <= capacity:
         status, backup_rows, backup = HybridStatus.OK, heavy_rows, h[heavy_rows].clone()
     else:

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from twell.formats.checks import check_tensor, check_tiling
+from twell.formats.checks import check_tensor, check_tiling, leading_nonzeros
 
 MAX_COLUMNS = 1 << 16  # the column index has 16 bits
 
@@ -241,15 +241,11 @@ def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
     hp = torch.zeros(M, n_tiles * tile, dtype=h.dtype, device=h.device)
     hp[:, :H] = h
     hp = hp.view(M, n_tiles, tile)
-    nonzero = hp != 0
-    counts = nonzero.sum(-1, dtype=torch.int32)  # [M, n_tiles]
-    # Stable sort puts each tile row's nonzero columns first, in ascending order.
-    order = torch.sort((~nonzero).to(torch.int8), dim=-1, stable=True).indices[..., : slots - 1]
-    vals = torch.gather(hp, -1, order)
-    cols = order.to(torch.int32) + (torch.arange(n_tiles, device=h.device, dtype=torch.int32) * tile)[:, None]
+    counts = (hp != 0).sum(-1, dtype=torch.int32)  # [M, n_tiles]
+    vals, local = leading_nonzeros(hp, slots - 1, counts)
+    tile_start = (torch.arange(n_tiles, device=h.device, dtype=torch.int32) * tile)[:, None]
     valid = torch.arange(slots - 1, device=h.device) < counts[..., None]
-    vals = torch.where(valid, vals, torch.zeros((), dtype=vals.dtype, device=h.device))
-    cols = torch.where(valid, cols, torch.zeros((), dtype=cols.dtype, device=h.device))
+    cols = torch.where(valid, local.to(torch.int32) + tile_start, torch.zeros((), dtype=torch.int32, device=h.device))
     halves = torch.stack([cols.to(torch.int16), vals.view(torch.int16)], dim=-1)  # (low, high) halves
     entry_words = halves.view(torch.int32).squeeze(-1)  # [M, n_tiles, S-1]
     words = torch.cat([counts[..., None], entry_words], dim=-1)

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from twell.formats import TwELL, check_tensor
+from twell.formats.twell import MAX_COLUMNS
 from twell.kernels.build import load
 from twell.reference.ffn import check_ffn_args, check_gate_args
 
@@ -69,7 +69,7 @@ def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8)
     _kernel_checks(x)
     if tile not in (64, 128, 256):
         raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
-    if w_gate.shape[0] > 1 << 16:
+    if w_gate.shape[0] > MAX_COLUMNS:
         raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
     packed, spill = _gate_op(x, w_gate, tile, compression)
     return TwELL(packed, None, None, w_gate.shape[0], tile, compression, source=(x, w_gate), spill=spill)
@@ -113,7 +113,3 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel."""
     return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
 
-
-def dense_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """The dense cuBLAS baseline (for symmetry with twell.reference)."""
-    return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

@@ -6,7 +6,7 @@ The model knows nothing about parallelism, compile or checkpointing (see ``twell
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -91,12 +91,6 @@ def set_tracking(model: nn.Module, on: bool = True) -> None:
         ffn.track = on
         if not on:
             ffn.stats = None
-
-
-def iter_named_linear(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            yield name, m
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -71,11 +71,6 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
-def destroy(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
