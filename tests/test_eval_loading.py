@@ -14,14 +14,6 @@ from twell.eval.harness import evaluate_checkpoints
 from twell.eval.loading import load_checkpoint, set_ffn_path, sparse_ffn_modules
 
 
-def _has_project_loader():
-    try:
-        from twell.model import load_pretrained  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_fixture_checkpoint(tmp_path_factory.mktemp("fixture_ckpt") / "ckpt", seed=random.randint(0, 99))
@@ -41,7 +33,6 @@ def test_transformers_loader_is_recorded_and_runs_dense(checkpoint):
         load_checkpoint(checkpoint, loader="transformers", ffn_path="reference", offline=True)
 
 
-@pytest.mark.skipif(not _has_project_loader(), reason="twell.model.load_pretrained not in this checkout")
 def test_project_loader_gives_sparse_modules(checkpoint, fixture_dir):
     lm = load_checkpoint(checkpoint, name="sparse", ffn_path="reference", dtype="bfloat16", offline=True)
     assert lm.loader == "twell.model.load_pretrained" and lm.ffn_path == "reference" and lm.dtype == "bfloat16"
@@ -102,12 +93,10 @@ def test_evaluate_checkpoints_fixture_fallback_is_loud(tmp_path, fixture_dir, ch
     assert runs["dense"].source == str(checkpoint.resolve())
     assert all(r.tasks["piqa"].n == 2 for r in runs.values())
     assert json.loads(json.dumps(runs["dense"].to_dict(), default=str))["tasks"]["winogrande"]["status"] == "ok"
-    if _has_project_loader():
-        assert runs["dense"].loader == "twell.model.load_pretrained"
-        assert runs["dense"].ffn_paths_observed == {"dense": 2}  # "dense" in the name -> dense path
+    assert runs["dense"].loader == "twell.model.load_pretrained"
+    assert runs["dense"].ffn_paths_observed == {"dense": 2}  # "dense" in the name -> dense path
 
 
-@pytest.mark.skipif(not _has_project_loader(), reason="twell.model.load_pretrained not in this checkout")
 def test_sparse_checkpoint_evaluated_on_the_reference_path(checkpoint, fixture_dir):
     runs = evaluate_checkpoints({"sparse": str(checkpoint)}, tasks=["hellaswag"], data_dir=fixture_dir, offline=True,
                                 dtype="bfloat16", limit=3)

@@ -121,26 +121,20 @@ def write_fixture_task_data(root: str | Path, *, n_docs: int = 6, seed: int = 0)
 
 def build_fixture_tokenizer(vocab_size: int = 320):
     """Byte-level BPE (any text encodes) trained on generated FIXTURE sentences; no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from twell.data.tokenizer import train_bpe
 
     rng = random.Random("fixture-tokenizer")
     corpus = [f"FIXTURE Question: {_phrase(rng, 8)}\nAnswer: {_phrase(rng, 3)}." for _ in range(400)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    # min_frequency=0: the merges this fixture has always had (tokenizers' own default).
+    return train_bpe(corpus, vocab_size, min_frequency=0)
 
 
 def build_fixture_model(*, seed: int = 0, hidden_size: int = 64, intermediate_size: int = 512, num_layers: int = 2,
-                        num_heads: int = 4, sparse_ffn: bool | None = None, dtype: torch.dtype = torch.float32):
+                        num_heads: int = 4, sparse_ffn: bool = True, dtype: torch.dtype = torch.float32):
     """(model, tokenizer): a FIXTURE random ``LlamaForCausalLM`` with ``hidden_act="relu"``.
 
     sparse_ffn: wrap each MLP in ``twell.nn.SparseFFN`` (shares the weights; starts on the dense
-    path). ``None`` wraps when twell.nn is importable. The model is in eval mode on CPU.
+    path). The model is in eval mode on CPU.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -153,12 +147,6 @@ def build_fixture_model(*, seed: int = 0, hidden_size: int = 64, intermediate_si
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model = model.to(dtype).eval()
-    if sparse_ffn is None:
-        try:
-            from twell.nn import SparseFFN  # noqa: F401
-            sparse_ffn = True
-        except ImportError:
-            sparse_ffn = False
     if sparse_ffn:
         from twell.nn import SparseFFN
 

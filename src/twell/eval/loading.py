@@ -1,10 +1,9 @@
 """Load a checkpoint for evaluation and choose / verify which FFN path runs.
 
-Project checkpoints go through ``twell.model.load_pretrained`` so the project's ``SparseFFN``
-modules (and on a GPU the TwELL kernels) are what lm-eval evaluates. Other causal LMs load with
-``transformers.AutoModelForCausalLM``. Which loader ran is recorded in :class:`LoadedModel`;
-while ``twell.model.load_pretrained`` does not exist yet, ``loader="auto"`` uses transformers and
-says so in ``LoadedModel.note``.
+Checkpoints go through ``twell.model.load_pretrained`` so the project's ``SparseFFN`` modules
+(and on a GPU the TwELL kernels) are what lm-eval evaluates; ``loader="transformers"`` loads a
+non-project causal LM with plain ``transformers.AutoModelForCausalLM`` (dense MLPs only). Which
+loader ran is recorded in :class:`LoadedModel`.
 
 FFN paths: ``"dense"``, ``"reference"`` (pure-PyTorch TwELL), ``"kernel"`` (CUDA TwELL),
 ``"auto"`` (kernel when available, else reference). After a forward each ``SparseFFN`` reports
@@ -12,16 +11,18 @@ the path it ran in ``last_path``; :func:`check_ffn_path` turns a mismatch into a
 """
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from twell.eval.errors import CheckpointLoadError
 from twell.eval.offline import hf_offline, resolve_offline
+from twell.model import load_pretrained, sparse_ffns
+from twell.model import set_ffn_path as set_project_ffn_path
+from twell.model.hub import resolve_dtype
 
 LOADERS = ("auto", "twell", "transformers")
 FFN_PATHS = ("dense", "reference", "kernel", "auto")
@@ -32,8 +33,8 @@ EXPECTED_LAST_PATHS = {
     "kernel": {"twell-kernel"},
     "auto": {"twell-reference", "twell-kernel"},
 }
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# eval's name for twell.model.sparse_ffns (compare.py and the tests use it).
+sparse_ffn_modules = sparse_ffns
 
 
 @dataclass
@@ -67,59 +68,27 @@ def resolve_device(device: str | None) -> str:
     return str(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """A torch dtype from ``"bfloat16"``/``"bf16"``/``"float32"``/...; ``None`` and ``"auto"`` give None."""
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
-        return None if dtype == "auto" else dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or a torch.dtype")
-    return _DTYPES[dtype]
-
-
 # -- FFN path ------------------------------------------------------------------------------------
-def sparse_ffn_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The project's ``twell.nn.SparseFFN`` modules inside ``model`` (empty for plain models)."""
-    try:
-        from twell.nn import SparseFFN
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, SparseFFN)]
-
-
-def _project_function(name: str) -> Callable | None:
-    try:
-        import twell.model as project_model
-    except ImportError:
-        return None
-    return getattr(project_model, name, None)
-
-
 def set_ffn_path(model: torch.nn.Module, path: str) -> None:
-    """Select the FFN path of every project FFN module (``twell.model.set_ffn_path`` when it exists).
+    """``twell.model.set_ffn_path`` that also accepts plain transformers models, for ``"dense"`` only.
 
     A model without ``SparseFFN`` modules can only run dense: ``"dense"`` is a no-op for it and any
     other path raises, so a sparse evaluation never silently runs dense.
     """
     if path not in FFN_PATHS:
         raise ValueError(f"unknown FFN path {path!r}; expected one of {FFN_PATHS}")
-    modules = sparse_ffn_modules(model)
-    if not modules:
+    if not sparse_ffns(model):
         if path != "dense":
             raise ValueError(f"{type(model).__name__} has no twell SparseFFN modules, so FFN path {path!r} cannot run; "
                              "load it with twell.model.load_pretrained (loader='twell') or use path 'dense'")
         return
-    project_setter = _project_function("set_ffn_path")
-    if project_setter is not None:
-        project_setter(model, path)
-    else:
-        for module in modules:
-            module.path = path
+    set_project_ffn_path(model, path)
 
 
 def observed_ffn_paths(model: torch.nn.Module) -> dict[str, int]:
     """``{last_path: number of SparseFFN modules}`` after the last forward (empty for plain models)."""
     counts: dict[str, int] = {}
-    for module in sparse_ffn_modules(model):
+    for module in sparse_ffns(model):
         key = str(module.last_path)
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -160,9 +129,10 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Load ``source`` (checkpoint directory or hub id) for evaluation on ``device``.
 
-    loader: ``"twell"`` (``twell.model.load_pretrained``), ``"transformers"`` or ``"auto"`` (twell's
-        when it exists). A plain transformers model runs dense only: ffn_path ``"reference"`` or
-        ``"kernel"`` then raises, ``"auto"`` is recorded as dense.
+    loader: ``"twell"`` or ``"auto"`` (the same: ``twell.model.load_pretrained``), or
+        ``"transformers"`` (plain ``AutoModelForCausalLM``, for non-project checkpoints). A plain
+        transformers model runs dense only: ffn_path ``"reference"`` or ``"kernel"`` then raises,
+        ``"auto"`` is recorded as dense.
     A hub id is downloaded when online; offline only the local Hugging Face cache is used.
     Raises CheckpointLoadError naming the checkpoint when it cannot be loaded.
     """
@@ -182,20 +152,14 @@ def load_checkpoint(
     if local:
         source = str(Path(source).expanduser().resolve())
 
-    project_loader = _project_function("load_pretrained")
     notes: list[str] = []
-    if loader == "twell" and project_loader is None:
-        raise CheckpointLoadError(f"checkpoint {name!r}: loader='twell' requested but twell.model.load_pretrained "
-                                  "does not exist in this checkout")
-    use_project = loader == "twell" or (loader == "auto" and project_loader is not None)
-    if loader == "auto" and project_loader is None:
-        notes.append("twell.model.load_pretrained is not available: loaded with plain transformers (dense MLPs)")
+    use_project = loader != "transformers"
     used = "twell.model.load_pretrained" if use_project else "transformers.AutoModelForCausalLM"
     try:
         with hf_offline(offline):
             if use_project:
-                kwargs = {"allow_network": not offline} if "allow_network" in inspect.signature(project_loader).parameters else {}
-                model, tokenizer = project_loader(source, ffn_path=ffn_path, device=device, dtype=torch_dtype, **kwargs)
+                model, tokenizer = load_pretrained(source, ffn_path=ffn_path, device=device, dtype=torch_dtype,
+                                                   allow_network=not offline)
             else:
                 model, tokenizer = _load_with_transformers(source, torch_dtype)
     except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
@@ -205,7 +169,7 @@ def load_checkpoint(
         raise CheckpointLoadError(f"checkpoint {name!r} at {source} ships no tokenizer; lm-eval needs one")
     model = model.to(device).eval()
     requested: str | None = ffn_path
-    if not sparse_ffn_modules(model):
+    if not sparse_ffns(model):
         if ffn_path in ("reference", "kernel"):
             raise ValueError(f"checkpoint {name!r} loaded with {used} has no twell SparseFFN modules, so FFN path "
                              f"{ffn_path!r} cannot run; load it with loader='twell' or use ffn_path='dense'")
@@ -228,10 +192,6 @@ def fixture_model(name: str = "fixture", *, ffn_path: str = "dense", device: str
 
     model, tokenizer = build_fixture_model(seed=seed, dtype=resolve_dtype(dtype) or torch.float32)
     model = model.to(resolve_device(device)).eval()
-    requested: str | None = ffn_path
+    set_ffn_path(model, ffn_path)
     notes = ["FIXTURE: tiny randomly initialised model built in-process, not a trained checkpoint"]
-    if sparse_ffn_modules(model):
-        set_ffn_path(model, ffn_path)
-    elif ffn_path != "dense":
-        raise ValueError(f"fixture model has no SparseFFN modules (twell.nn missing), FFN path {ffn_path!r} cannot run")
-    return LoadedModel(model, tokenizer, name, "<in-process fixture>", "fixture", requested, fixture=True, notes=notes)
+    return LoadedModel(model, tokenizer, name, "<in-process fixture>", "fixture", ffn_path, fixture=True, notes=notes)

@@ -11,18 +11,15 @@ import contextlib
 import os
 from typing import Iterator
 
-_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-def offline_from_env() -> bool:
-    """True when the environment already asks the Hugging Face libraries to stay offline."""
-    return any(os.environ.get(name, "").upper() in _TRUE for name in _ENV)
-
 
 def resolve_offline(offline: bool | None) -> bool:
-    """``None`` means: follow the environment (see :func:`offline_from_env`)."""
-    return offline_from_env() if offline is None else bool(offline)
+    """``None`` means: follow the environment (see :func:`twell.data.network.hf_offline_env`)."""
+    if offline is not None:
+        return bool(offline)
+    # Imported here: the twell.data package imports torch, and importing twell.eval stays light.
+    from twell.data.network import hf_offline_env
+
+    return hf_offline_env()
 
 
 def _constants() -> list[tuple[object, str]]:
@@ -52,10 +49,12 @@ def hf_offline(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    saved_env = {name: os.environ.get(name) for name in _ENV}
+    from twell.data.network import HF_OFFLINE_VARS
+
+    saved_env = {name: os.environ.get(name) for name in HF_OFFLINE_VARS}
     saved_constants = [(mod, attr, getattr(mod, attr)) for mod, attr in _constants()]
     try:
-        for name in _ENV:
+        for name in HF_OFFLINE_VARS:
             os.environ[name] = "1"
         for mod, attr, _ in saved_constants:
             setattr(mod, attr, True)

@@ -29,12 +29,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def _as_dtype(dtype) -> torch.dtype | None:
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A torch dtype from a torch.dtype or a name (``"bfloat16"``/``"bf16"``/``"float32"``/...).
+
+    ``None`` and ``"auto"`` give None (keep the stored / default dtype).
+    """
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return None
     if dtype in _DTYPES:
         return _DTYPES[dtype]
-    raise ValueError(f"expected a torch dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+    raise ValueError(f"unknown dtype {dtype!r}; expected a torch.dtype, 'auto' or one of {sorted(_DTYPES)}")
 
 
 def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_size: int | str = "2GB", *,
@@ -48,7 +54,7 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    dtype = _as_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise TypeError(f"expected a transformers LlamaForCausalLM, got {type(model).__name__}")
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -177,7 +183,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     model.load_state_dict(state, strict=False)
     if mc.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("tied embeddings were untied while loading; refusing to return an inconsistent model")
-    dtype = _as_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")
         dtype = _DTYPES.get(saved) if isinstance(saved, str) else None
