@@ -46,7 +46,7 @@ def swap_mlps(model: nn.Module, mc: ModelConfig, path: str = "auto") -> None:
     Gated kinds wrap the existing Linear modules (no copy, same initialisation); the non-gated
     kind drops ``gate_proj`` and keeps ``up_proj``/``down_proj``.
     """
-    for i, layer in enumerate(_decoder_layers(model)):
+    for i, layer in enumerate(decoder_layers(model)):
         mlp = layer.mlp
         if isinstance(mlp, SparseFFN):
             continue
@@ -60,7 +60,8 @@ def swap_mlps(model: nn.Module, mc: ModelConfig, path: str = "auto") -> None:
         layer.mlp = ffn
 
 
-def _decoder_layers(model: nn.Module):
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a LlamaForCausalLM (``model.model.layers``), or a clear TypeError."""
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from twell.train.metrics import atomic_write
 from twell.train.parallel import DistInfo, barrier
 
 _DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -65,7 +66,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _atomic_write(self.root / "latest.json", json.dumps({"step": step, "dir": name}))
+            atomic_write(self.root / "latest.json", json.dumps({"step": step, "dir": name}))
             self._prune(keep_also=final)
         barrier(self.info)
         return final
@@ -88,9 +89,3 @@ class CheckpointManager:
                 shutil.rmtree(d, ignore_errors=True)
         for d in self.root.glob(".step_*.tmp"):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from twell.model import build_model, count_parameters, save_pretrained, set_trac
 from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
 from twell.train.config import RunConfig, load_config
-from twell.train.metrics import MetricsLog
+from twell.train.metrics import MetricsLog, atomic_write
 from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
                                   barrier, broadcast_flag, init_distributed, set_gradient_sync, total_grad_norm)
 from twell.train.recipe import sparse_lm_loss
@@ -434,9 +433,7 @@ class Trainer:
                       "train_checkpoint": str(self._last_ckpt) if self._last_ckpt else None},
             "config": self.cfg.to_dict(),
         }
-        tmp = self.out / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.out / "summary.json")
+        atomic_write(self.out / "summary.json", json.dumps(summary, indent=1))
         return summary
 
 

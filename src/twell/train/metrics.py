@@ -13,6 +13,13 @@ from pathlib import Path
 from typing import Any
 
 
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf; keep them visible
@@ -48,9 +55,7 @@ class MetricsLog:
                 dropped += 1
             else:
                 kept.append(line)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(k + "\n" for k in kept))
         return dropped
 
     def write(self, record: dict) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twell.model.llama import decoder_layers
+
 
 @dataclass
 class DistInfo:
@@ -69,10 +71,6 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     t = torch.tensor([1 if flag else 0], device=info.device)
     dist.broadcast(t, 0)
     return bool(t.item())
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
