@@ -2,6 +2,8 @@
 # Train the `small` config (or its dense twin) on one H100 within one 10-minute command, and put the
 # metrics, the summary and the final checkpoint under $OUT.
 #
+#   scripts/train_small_gpu.sh both       # sparse and dense side by side on the one GPU (how
+#                                         # reports/runs/small and small_dense were made; ~7 min)
 #   scripts/train_small_gpu.sh sparse     # configs/small.yaml        (ReLU + L1 2e-5)
 #   scripts/train_small_gpu.sh dense      # configs/small_dense.yaml  (ReLU, L1 0)
 #   scripts/train_small_gpu.sh calibrate  # ~150 steps of `small`: prints the STEPS that fill TRAIN_SECONDS
@@ -9,11 +11,12 @@
 # Environment (all optional):
 #   DATA           prepared data dir or corpus .jsonl (default .device/data/python311_docs-bpe8192, else
 #                  .device/data/python311_docs.jsonl, which is tokenised here first, ~10 s)
-#   STEPS          optimizer steps (default 15000; use the same value for sparse and dense)
+#   STEPS          optimizer steps (default: the config's; use the same value for sparse and dense)
 #   BUDGET_S       seconds from script start after which training stops cleanly (default 540), leaving time
 #                  for the final validation, the checkpoint and the export inside a 600 s command
 #   TRAIN_SECONDS  calibrate: training seconds to fill (default 480)
 #   COMPILE        1: torch.compile each decoder layer (default 0)
+#   EXTRA          more `--set key=value` arguments for twell.train (same for sparse and dense)
 #   OUT            output root (default ./runs/gpu_out); files land in $OUT/<run>/ (one level, at most 8 files)
 #
 # No network, no pip: needs python3 with torch (CUDA), transformers, tokenizers, safetensors, numpy, yaml.
@@ -24,11 +27,22 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
 
 MODE="${1:-}"
+if [[ "$MODE" == both ]]; then
+  # The small model at 2k-token steps leaves the GPU mostly idle (launch-bound): two runs share it.
+  "$0" sparse > >(sed 's/^/[sparse] /') 2>&1 &
+  P1=$!
+  "$0" dense > >(sed 's/^/[dense] /') 2>&1 &
+  P2=$!
+  RC=0
+  wait $P1 || RC=$?
+  wait $P2 || RC=$?
+  exit $RC
+fi
 case "$MODE" in
   sparse) CONFIG=small ;;
   dense) CONFIG=small_dense ;;
   calibrate) CONFIG=small ;;
-  *) echo "usage: $0 sparse|dense|calibrate" >&2; exit 2 ;;
+  *) echo "usage: $0 both|sparse|dense|calibrate" >&2; exit 2 ;;
 esac
 
 if [[ -z "${DATA:-}" ]]; then
@@ -38,7 +52,7 @@ if [[ -z "${DATA:-}" ]]; then
 fi
 if [[ ! -e "$DATA" ]]; then echo "DATA=$DATA does not exist" >&2; exit 2; fi
 OUT="${OUT:-$PWD/runs/gpu_out}"
-STEPS="${STEPS:-15000}"
+STEPS_FLAG=${STEPS:+--set train.steps=$STEPS}
 BUDGET_S="${BUDGET_S:-540}"
 COMPILE="${COMPILE:-0}"
 COMPILE_FLAG=$([[ "$COMPILE" == 1 ]] && echo true || echo false)
@@ -68,20 +82,23 @@ mkdir -p "$RUN_OUT"
 STOP_AT=$((T0 + BUDGET_S))
 set +e
 python3 -m twell.train --config "$CONFIG" --data "$DATA" --out "$WORK/$CONFIG" --overwrite \
-  --set train.steps="$STEPS" --set train.stop_at_unix="$STOP_AT" --set train.wall_reserve_s=15 \
-  --set train.compile="$COMPILE_FLAG" --set train.progress=false
+  $STEPS_FLAG --set train.stop_at_unix="$STOP_AT" --set train.wall_reserve_s=15 \
+  --set train.compile="$COMPILE_FLAG" --set train.progress=false ${EXTRA:-}
 RC=$?
 set -e
 # Bring back at most 8 files, one folder level: metrics, summary, and the Hugging Face checkpoint
 # (config, safetensors shards of <= 15 MB + index, tokenizer). generation_config.json is left behind.
 cp "$WORK/$CONFIG/metrics.jsonl" "$RUN_OUT/" 2>/dev/null || true
 cp "$WORK/$CONFIG/summary.json" "$RUN_OUT/" 2>/dev/null || true
-if [[ -d "$WORK/$CONFIG/final" ]]; then
+# The checkpoint only comes back when it fits the device tool's limits (<= 60 MB in all).
+CKPT_MB=$(du -sm "$WORK/$CONFIG/final" 2>/dev/null | cut -f1 || echo 0)
+if [[ -d "$WORK/$CONFIG/final" ]] && (( CKPT_MB <= 60 )); then
   for f in config.json model.safetensors model.safetensors.index.json model-0000*-of-0000*.safetensors \
            tokenizer.json tokenizer_config.json; do
     for g in "$WORK/$CONFIG/final"/$f; do [[ -f "$g" ]] && cp "$g" "$RUN_OUT/"; done
   done
 fi
+[[ -d "$WORK/$CONFIG/final" ]] && (( CKPT_MB > 60 )) && echo "checkpoint ($CKPT_MB MB) left on the device: too large to return"
 ls -la "$RUN_OUT"
 N=$(ls "$RUN_OUT" | wc -l)
 if (( N > 8 )); then echo "WARNING: $N files in $RUN_OUT (limit 8)" >&2; fi

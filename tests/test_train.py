@@ -226,3 +226,21 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert set(model_ac.state_dict()) == set(model.state_dict())  # wrapper leaves the keys alone
     for (n, p), (_, q) in zip(model.named_parameters(), model_ac.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_publish_run_files_copies_outside_runs_only(tmp_path):
+    """Notebook 02 copies runs trained elsewhere into reports/runs/, but not runs already kept there."""
+    from twell.train import study
+
+    reports = tmp_path / "reports"
+    inside = reports / "runs" / "small"
+    outside = tmp_path / "runs" / "tiny"
+    for d in (inside, outside):
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        (d / "summary.json").write_text("{}")
+    runs = {"small (L1 2e-5)": (inside / "metrics.jsonl", inside / "summary.json"),
+            "tiny": (outside / "metrics.jsonl", None)}
+    written = study.publish_run_files(runs, reports)
+    assert written == [reports / "runs" / "02_tiny" / "metrics.jsonl"]
+    assert sorted(p.name for p in (reports / "runs").iterdir()) == ["02_tiny", "small"]

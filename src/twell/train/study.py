@@ -55,12 +55,16 @@ def resolve_runs(runs: Mapping[str, str | Path]) -> dict[str, tuple[Path, Path |
 
 def publish_run_files(runs: Mapping[str, tuple[Path, Path | None]], reports_dir: str | Path | None = None,
                       prefix: str = "02") -> list[Path]:
-    """Copy each run's metrics.jsonl (+ summary.json) to ``<reports>/runs/<prefix>_<label slug>/``."""
+    """Copy each run's metrics.jsonl (+ summary.json) to ``<reports>/runs/<prefix>_<label slug>/``.
+
+    Runs whose files already lie under the reports folder (e.g. reports/runs/small) are not copied again."""
     from twell.paths import reports_dir as default_reports
 
     root = Path(reports_dir) if reports_dir is not None else default_reports()
     written = []
     for label, (metrics, summary) in runs.items():
+        if metrics.resolve().is_relative_to(root.resolve()):
+            continue
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in label).strip("_")
         d = root / "runs" / f"{prefix}_{slug}"
         d.mkdir(parents=True, exist_ok=True)
