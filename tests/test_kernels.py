@@ -227,3 +227,28 @@ def test_module_uses_kernels_on_gpu():
         assert ffn.last_path == "twell-reference"
     check_ffn(out, x, wg, wu, wd)
     assert rel(out, ref.double()) < 1e-2
+
+
+def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
+    """A 50%-active layer: the first auto call runs the kernels (exact), then auto switches to dense and
+    says why; a sparse layer keeps the kernels; setting the path again measures again."""
+    from twell.nn import SparseFFN
+
+    for nnz, expect_dense in ((2816, True), (29, False)):
+        x, wg, wu, wd = inputs(512, 2048, 5632, nnz=nnz)
+        ffn = SparseFFN(2048, 5632).to(device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            ffn.gate_proj.weight.copy_(wg)
+            ffn.up_proj.weight.copy_(wu)
+            ffn.down_proj.weight.copy_(wd)
+            first = ffn(x)
+            assert ffn.last_path == "twell-kernel"
+            check_ffn(first, x, wg, wu, wd)
+            second = ffn(x)
+            assert ffn.last_path == ("dense" if expect_dense else "twell-kernel")
+            assert (ffn.auto_note is not None) == expect_dense
+            check_ffn(second, x, wg, wu, wd)
+            ffn.path = "auto"  # forgets the measurement: the next call runs the kernels and measures again
+            assert ffn.auto_note is None
+            ffn(x)
+            assert ffn.last_path == "twell-kernel" and (ffn.auto_note is not None) == expect_dense

@@ -248,3 +248,20 @@ def test_model_config_errors():
         ModelConfig.from_dict({"hidden": 3})
     with pytest.raises(TypeError, match="ModelConfig"):
         build_model(42)
+
+
+def test_auto_activity_rule_on_a_twell():
+    """The rule "auto" applies after its first kernel call (GPU test: test_kernels.py), on CPU TwELLs:
+    above auto_max_active the layer goes dense with a note; path assignment measures again."""
+    from twell import reference
+
+    ffn = SparseFFN(64, 512)
+    bf = torch.bfloat16
+    busy = reference.twell_gate(torch.randn(32, 64, dtype=bf), torch.randn(512, 64, dtype=bf))  # ~50% active
+    ffn._measure_activity(busy)
+    assert ffn._auto_dense and "active per token" in ffn.auto_note
+    ffn.path = "auto"
+    assert ffn._auto_dense is None and ffn.auto_note is None
+    quiet = reference.twell_gate(torch.zeros(32, 64, dtype=bf), torch.randn(512, 64, dtype=bf))  # none active
+    ffn._measure_activity(quiet)
+    assert ffn._auto_dense is False and ffn.auto_note is None

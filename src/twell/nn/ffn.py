@@ -14,7 +14,10 @@ and chooses *how* through one interface:
 - Without autograd (inference), ``path`` decides: ``"dense"`` (plain PyTorch), ``"reference"``
   (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
   ``"auto"`` (kernels when available, else the reference, recorded in ``last_path``). Sparse paths
-  need ``activation="relu"``.
+  need ``activation="relu"``. On its first kernel call, ``"auto"`` also measures the layer's activity
+  (one host sync, once): a layer with more than ``auto_max_active`` of its neurons active per token
+  runs dense from then on, and ``auto_note`` says why (the kernels stay exact on such a layer but
+  get slower than dense: spill area full, tiles recomputed; measured 19x slower on a 23%-active model).
 
 ``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
 ``"twell-reference"`` or ``"twell-kernel"``. With ``track=True`` the forward also records
@@ -80,6 +83,11 @@ class SparseFFN(nn.Module):
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
         self.last_gate = None  # the TwELL of the last sparse forward (inspect lazily: no host sync)
+        # "auto" leaves the kernels for dense above this active fraction; the kernel FFN breaks even
+        # with dense cuBLAS near 50 of 5632 neurons per token (0.9%) at M = 65536 on an H100.
+        self.auto_max_active = 0.01
+        self.auto_note: Optional[str] = None
+        self._auto_dense: Optional[bool] = None  # None: not measured yet
         self._w_down_t: Optional[torch.Tensor] = None
         self._w_down_t_version: Optional[tuple] = None
 
@@ -95,6 +103,12 @@ class SparseFFN(nn.Module):
         if value in ("reference", "kernel") and self.activation != "relu":
             raise ValueError(f"sparse path {value!r} needs activation='relu', this layer uses {self.activation!r}")
         self._path = value
+        self.reset_auto()
+
+    def reset_auto(self) -> None:
+        """Forget the activity that ``"auto"`` measured (e.g. after loading other weights)."""
+        self._auto_dense = None
+        self.auto_note = None
 
     @classmethod
     def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: str = "relu") -> "SparseFFN":
@@ -128,8 +142,22 @@ class SparseFFN(nn.Module):
 
             # available() is cached per process; a failed build makes "auto" use the reference
             ok, _ = kernels.available() if x.is_cuda else (False, "input on CPU")
-            path = "kernel" if ok else "reference"
+            if not ok:
+                return self._sparse(x, use_kernel=False)
+            if self._auto_dense:
+                return self._dense(x)
+            out = self._sparse(x, use_kernel=True)
+            if self._auto_dense is None:
+                self._measure_activity(self.last_gate)
+            return out
         return self._sparse(x, use_kernel=(path == "kernel"))
+
+    def _measure_activity(self, gate) -> None:
+        active = gate.nnz_per_row().float().mean().item() / self.intermediate_size
+        self._auto_dense = active > self.auto_max_active
+        if self._auto_dense:
+            self.auto_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
+                              f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on")
 
     def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-activation that decides sparsity, hidden activation h) for input x, dense."""
