@@ -57,6 +57,18 @@ def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), z
     return [t.to(torch.bfloat16).cuda() for t in (x, w_gate, w_up, w_down)]
 
 
+def module_with(wg, wu, wd):
+    """A bf16 SparseFFN on the GPU holding the given gate/up/down weights (path "auto")."""
+    from twell.nn import SparseFFN
+
+    ffn = SparseFFN(wg.shape[1], wg.shape[0]).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ffn.gate_proj.weight.copy_(wg)
+        ffn.up_proj.weight.copy_(wu)
+        ffn.down_proj.weight.copy_(wd)
+    return ffn
+
+
 def rel(a, ref):
     return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
@@ -211,14 +223,9 @@ def test_torch_compile_and_cuda_graphs():
 
 
 def test_module_uses_kernels_on_gpu():
-    from twell.nn import SparseFFN
-
     x, wg, wu, wd = inputs(300, 2048, 5632, nnz=29)
-    ffn = SparseFFN(2048, 5632).to(device="cuda", dtype=torch.bfloat16)
+    ffn = module_with(wg, wu, wd)
     with torch.no_grad():
-        ffn.gate_proj.weight.copy_(wg)
-        ffn.up_proj.weight.copy_(wu)
-        ffn.down_proj.weight.copy_(wd)
         ffn.path = "auto"
         out = ffn(x)
         assert ffn.last_path == "twell-kernel"
@@ -232,15 +239,10 @@ def test_module_uses_kernels_on_gpu():
 def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
     """A 50%-active layer: the first auto call runs the kernels (exact), then auto switches to dense and
     says why; a sparse layer keeps the kernels; setting the path again measures again."""
-    from twell.nn import SparseFFN
-
     for nnz, expect_dense in ((2816, True), (29, False)):
         x, wg, wu, wd = inputs(512, 2048, 5632, nnz=nnz)
-        ffn = SparseFFN(2048, 5632).to(device="cuda", dtype=torch.bfloat16)
+        ffn = module_with(wg, wu, wd)
         with torch.no_grad():
-            ffn.gate_proj.weight.copy_(wg)
-            ffn.up_proj.weight.copy_(wu)
-            ffn.down_proj.weight.copy_(wd)
             first = ffn(x)
             assert ffn.last_path == "twell-kernel"
             check_ffn(first, x, wg, wu, wd)

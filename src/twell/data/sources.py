@@ -13,11 +13,11 @@ Source strings (``data.source`` in a run config, or ``--data``):
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from twell.jsonl import iter_jsonl
 from twell.paths import shared_data_dir
 
 FILE_SUFFIXES = (".jsonl", ".parquet", ".txt")
@@ -113,17 +113,10 @@ def iter_documents(source: Source, *, text_field: str = "text", max_docs: int | 
 def _iter_files(source: Source, text_field: str) -> Iterator[tuple[str, str]]:
     for f in source.files:
         if f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as fh:
-                for i, line in enumerate(fh):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{f}:{i + 1}: not valid JSON ({exc})") from None
-                    if not isinstance(row, dict) or text_field not in row:
-                        raise ValueError(f"{f}:{i + 1}: expected a JSON object with a {text_field!r} field")
-                    yield str(row.get("id", f"{f.name}:{i}")), row[text_field]
+            for i, row in iter_jsonl(f):
+                if not isinstance(row, dict) or text_field not in row:
+                    raise ValueError(f"{f}:{i + 1}: expected a JSON object with a {text_field!r} field")
+                yield str(row.get("id", f"{f.name}:{i}")), row[text_field]
         elif f.suffix == ".parquet":
             import pyarrow.parquet as pq
 

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from twell.jsonl import iter_jsonl
+
 
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never a half-written file)."""
@@ -78,12 +80,6 @@ def read_metrics(path: str | Path) -> dict[str, list[dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
     out: dict[str, list[dict]] = {}
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{i + 1}: not valid JSON ({exc})") from None
+    for _, rec in iter_jsonl(path):
         out.setdefault(rec.get("kind", "train"), []).append(rec)
     return out

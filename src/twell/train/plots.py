@@ -22,6 +22,14 @@ def _records(runs: Runs) -> dict[str, dict[str, list[dict]]]:
     return {label: (src if isinstance(src, dict) else read_metrics(src)) for label, src in runs.items()}
 
 
+def _finish(fig, title: str | None):
+    """Common end of every figure here: optional super-title (the data note), tight layout."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
     if window <= 1 or len(y) < window:
         return y
@@ -50,10 +58,7 @@ def plot_loss(runs: Runs, smooth: int = 20, title: str | None = None):
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
@@ -77,10 +82,7 @@ def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str 
                ylabel="active neurons per token" + (" (% of width)" if scale != 1.0 else ""))
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def plot_dead(runs: Runs, title: str | None = None):
@@ -100,10 +102,7 @@ def plot_dead(runs: Runs, title: str | None = None):
         ax.set(title=label, xlabel="step", ylabel="dead neurons (% of width)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def plot_positions(runs: Runs, title: str | None = None):
@@ -125,10 +124,7 @@ def plot_positions(runs: Runs, title: str | None = None):
     ax.set(xlabel="token position", ylabel="active neurons per token", yscale="log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def summary_table(runs: Runs, summaries: Mapping[str, "str | Path | dict"] | None = None):
