@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from twell.model import (ModelConfig, build_model, from_hf_dict, load_pretrained, save_pretrained, set_ffn_path,
-                         set_tracking, sparse_ffns)
+from twell.model import (ModelConfig, build_model, cast_parameters, from_hf_dict, load_pretrained, save_pretrained,
+                         set_ffn_path, set_tracking, sparse_ffns)
 from twell.nn import SparseFFN
 
 
@@ -99,12 +99,14 @@ def test_bf16_sharded_save_and_twell_load_round_trip(tmp_path):
     assert plain.dtype == torch.bfloat16
     loaded, tok2 = load_pretrained(tmp_path / "ck", ffn_path="dense")
     assert loaded.dtype == torch.bfloat16 and loaded.config.twell_tokenizer == choice
+    # RoPE frequencies stay fp32 as in transformers' own bf16 load (bf16 ones shift every angle)
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
     assert tok2 is not None and tok2.encode("sparse models") == tok.encode("sparse models")
     x = _ids(mc)
     with torch.no_grad():
         a, b = loaded(input_ids=x).logits, plain(input_ids=x).logits
         set_ffn_path(model, "dense")
-        c = model.to(torch.bfloat16)(input_ids=x).logits
+        c = cast_parameters(model, torch.bfloat16)(input_ids=x).logits
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -230,7 +232,7 @@ def test_reference_inference_path_matches_dense():
     with torch.no_grad():
         set_ffn_path(model, "dense")
         ref = model(input_ids=x).logits
-        model.to(torch.bfloat16)
+        cast_parameters(model, torch.bfloat16)
         dense = model(input_ids=x).logits.float()
         set_ffn_path(model, "reference")
         sparse = model(input_ids=x).logits.float()

@@ -146,7 +146,9 @@ def build_fixture_model(*, seed: int = 0, hidden_size: int = 64, intermediate_si
     with torch.random.fork_rng():  # a fixed model without touching the caller's RNG state
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model = model.to(dtype).eval()
+    from twell.model import cast_parameters
+
+    model = cast_parameters(model, dtype).eval()  # RoPE buffers stay fp32, as from_pretrained leaves them
     if sparse_ffn:
         from twell.nn import SparseFFN
 

@@ -2,14 +2,15 @@
 
 - :func:`build_model` (``ModelConfig`` -> ``LlamaForCausalLM`` with SparseFFN MLPs)
 - :func:`load_pretrained` / :func:`save_pretrained` (standard Llama checkpoints, ReLU gates)
+- :func:`cast_parameters` (dtype change that keeps RoPE buffers fp32)
 - :func:`set_ffn_path`, :func:`set_tracking`, :func:`sparse_ffns` (per-layer FFN control)
 """
 from twell.model.config import FFN_KINDS, ModelConfig, from_hf_dict
 from twell.model.hub import load_pretrained, read_state_dict, save_pretrained
-from twell.model.llama import (build_model, count_parameters, logits, set_ffn_path, set_tracking, sparse_ffns,
+from twell.model.llama import (build_model, cast_parameters, count_parameters, logits, set_ffn_path, set_tracking, sparse_ffns,
                                swap_mlps)
 
 __all__ = [
-    "FFN_KINDS", "ModelConfig", "build_model", "count_parameters", "from_hf_dict", "load_pretrained", "logits",
+    "FFN_KINDS", "ModelConfig", "build_model", "cast_parameters", "count_parameters", "from_hf_dict", "load_pretrained", "logits",
     "read_state_dict", "save_pretrained", "set_ffn_path", "set_tracking", "sparse_ffns", "swap_mlps",
 ]

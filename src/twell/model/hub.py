@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from twell.model.config import from_hf_dict
-from twell.model.llama import build_model, set_ffn_path, sparse_ffns
+from twell.model.llama import build_model, cast_parameters, set_ffn_path, sparse_ffns
 
 # Keys the paper's training code may leave in a state dict that carry no weights.
 _AUX_KEY_PARTS = ("tracker.", "metrics_accumulator.", "rotary_emb.inv_freq")
@@ -188,7 +188,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
         saved = raw.get("dtype") or raw.get("torch_dtype")
         dtype = _DTYPES.get(saved) if isinstance(saved, str) else None
     if dtype is not None:
-        model.to(dtype)
+        cast_parameters(model, dtype)
     if device is not None:
         model.to(device)
     if mc.activation == "relu":
