@@ -21,7 +21,7 @@ test: setup
 	$(PYTHON) -m pytest -v
 
 clean-reports:
-	rm -rf reports/notebooks/* reports/figures/* reports/tables/*
+	rm -rf reports/smoke
 
 bench: setup
 	$(PYTHON) -m twell.bench ffn

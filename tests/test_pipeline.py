@@ -120,6 +120,16 @@ def test_env_variables_redirect_directories(tmp_path, monkeypatch):
     assert pl.PipelinePaths.resolve(notebooks_dir=tmp_path / "x").notebooks == (tmp_path / "x").resolve()
 
 
+def test_smoke_profile_writes_beside_the_committed_reports(monkeypatch, tmp_path):
+    monkeypatch.delenv("TWELL_REPORTS", raising=False)
+    root = pl.repo_root() / "reports"
+    assert pl.PipelinePaths.resolve(profile="cpu-smoke").reports == (root / "smoke").resolve()
+    assert pl.PipelinePaths.resolve(profile="gpu-small").reports == root.resolve()
+    assert pl.PipelinePaths.resolve(profile="cpu-smoke", reports_dir=tmp_path).reports == tmp_path.resolve()
+    monkeypatch.setenv("TWELL_REPORTS", str(tmp_path / "rep"))
+    assert pl.PipelinePaths.resolve(profile="cpu-smoke").reports == (tmp_path / "rep").resolve()
+
+
 def test_console_script_points_at_main():
     eps = [ep for ep in entry_points(group="console_scripts") if ep.name == "twell-pipeline"]
     assert eps and eps[0].value == "twell.pipeline:main"

@@ -3,7 +3,8 @@
 Every location can be overridden by an environment variable so that notebooks, the pipeline and
 tests agree without passing paths around:
 
-- ``TWELL_REPORTS``: output root for figures/tables/executed notebooks (default ``<repo>/reports``).
+- ``TWELL_REPORTS``: output root for figures/tables/executed notebooks (default ``<repo>/reports``;
+  ``<repo>/reports/smoke`` for the cpu-smoke profile's notebook runs, see :func:`reports_root`).
 - ``TWELL_SHARED_DATA``: directory with offline corpora and evaluation files
   (default ``<repo>/../shared/data`` when it exists). Never copied into the repository.
 - ``TWELL_CACHE``: generated artefacts such as token files and trained tokenizers
@@ -31,6 +32,18 @@ def reports_dir(*parts: str, create: bool = True) -> Path:
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+SMOKE_PROFILE = "cpu-smoke"
+
+
+def reports_root(profile: str | None = None) -> Path:
+    """Output root of a notebook run: ``$TWELL_REPORTS``, else ``reports/``, or ``reports/smoke/`` for the
+    smoke profile, whose tiny-model and fixture outputs must not replace the committed results."""
+    env = os.environ.get("TWELL_REPORTS")
+    if env:
+        return Path(env).expanduser()
+    return repo_root() / "reports" / "smoke" if profile == SMOKE_PROFILE else repo_root() / "reports"
 
 
 def shared_data_dir() -> Path | None:

@@ -12,8 +12,9 @@ from ``notebooks/<name>.ipynb``. Each notebook's parameters come from
       gpu-small: {...}
       gpu-full:  {...}
 
-plus the common parameters ``profile`` (the profile name) and ``reports_dir`` (output root).
-Executed notebooks go to ``<reports>/notebooks/<name>.ipynb`` (overwritten by the next run, like
+plus the common parameters ``profile`` (the profile name) and ``reports_dir`` (output root:
+``reports/`` for gpu-small and gpu-full, ``reports/smoke/`` for cpu-smoke, so that the default run
+never replaces the committed results). Executed notebooks go to ``<reports>/notebooks/<name>.ipynb`` (overwritten by the next run, like
 the figures and tables they write; the profile is recorded in the notebook's papermill metadata and in
 ``<reports>/notebooks/pipeline_run.json``). The run stops at the first failing notebook and exits
 non-zero naming the notebook and the failing cell.
@@ -38,7 +39,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import yaml
 
-from twell.paths import repo_root
+from twell.paths import SMOKE_PROFILE, repo_root, reports_root
 
 NOTEBOOK_ORDER: tuple[str, ...] = (
     "00_twell_format",
@@ -46,7 +47,7 @@ NOTEBOOK_ORDER: tuple[str, ...] = (
     "02_sparse_training",
     "03_downstream_eval",
 )
-DEFAULT_PROFILE = "cpu-smoke"
+DEFAULT_PROFILE = SMOKE_PROFILE
 KNOWN_PROFILES: tuple[str, ...] = ("cpu-smoke", "gpu-small", "gpu-full")
 # Parameters every notebook receives besides its profile's own.
 COMMON_PARAMETERS: tuple[str, ...] = ("profile", "reports_dir")
@@ -106,7 +107,9 @@ class PipelinePaths:
     reports: Path
 
     @classmethod
-    def resolve(cls, notebooks_dir=None, configs_dir=None, reports_dir=None) -> "PipelinePaths":
+    def resolve(cls, notebooks_dir=None, configs_dir=None, reports_dir=None, profile=None) -> "PipelinePaths":
+        """``profile`` picks the default output root: the smoke profile writes to ``reports/smoke``
+        (git-ignored) so that ``make run`` never overwrites the committed results of the full profiles."""
         root = repo_root()
 
         def pick(arg, env, default):
@@ -116,7 +119,7 @@ class PipelinePaths:
         return cls(
             notebooks=pick(notebooks_dir, "TWELL_NOTEBOOKS", root / "notebooks"),
             configs=pick(configs_dir, "TWELL_PIPELINE_CONFIGS", root / "configs" / "pipeline"),
-            reports=pick(reports_dir, "TWELL_REPORTS", root / "reports"),
+            reports=pick(reports_dir, "TWELL_REPORTS", reports_root(profile)),
         )
 
 
@@ -284,7 +287,7 @@ def run_pipeline(
     import papermill
     from tqdm.auto import tqdm
 
-    paths = PipelinePaths.resolve(notebooks_dir, configs_dir, reports_dir)
+    paths = PipelinePaths.resolve(notebooks_dir, configs_dir, reports_dir, profile)
     runs = plan(profile, select_notebooks(only), paths, overrides)
     (paths.reports / "notebooks").mkdir(parents=True, exist_ok=True)
     results: list[NotebookResult] = []
@@ -378,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Jupyter kernel name (default: a python3 kernel running this interpreter)")
     p.add_argument("--notebooks-dir", default=None, help="default notebooks/ (env TWELL_NOTEBOOKS)")
     p.add_argument("--configs-dir", default=None, help="default configs/pipeline/ (env TWELL_PIPELINE_CONFIGS)")
-    p.add_argument("--reports-dir", default=None, help="default reports/ (env TWELL_REPORTS)")
+    p.add_argument("--reports-dir", default=None,
+                   help=f"default reports/, or reports/smoke/ for {DEFAULT_PROFILE} (env TWELL_REPORTS)")
     p.add_argument("--log-output", action="store_true", help="stream cell outputs to the terminal")
     p.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -387,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    paths = PipelinePaths.resolve(args.notebooks_dir, args.configs_dir, args.reports_dir)
+    paths = PipelinePaths.resolve(args.notebooks_dir, args.configs_dir, args.reports_dir, args.profile)
     if args.list:
         print(list_notebooks(paths))
         return 0
