@@ -159,7 +159,8 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     extra = {k: raw[k] for k in ("twell_tokenizer",) if k in raw}
     if notes:
         extra["twell_converted_from"] = notes.get("converted_from")
-    model = build_model(mc, **extra)
+    with torch.device("meta"):  # no random initialisation of weights that are replaced right away
+        model = build_model(mc, **extra)
     state = read_state_dict(ckpt)
     state = {k: v for k, v in state.items() if not any(part in k for part in _AUX_KEY_PARTS)}
     if mc.tie_embeddings:
@@ -180,15 +181,17 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
            if tuple(v.shape) != tuple(ref[k].shape)]
     if bad:
         raise ValueError(f"checkpoint {ckpt} has tensors of the wrong shape: {bad[:4]}")
-    model.load_state_dict(state, strict=False)
-    if mc.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
-        raise RuntimeError("tied embeddings were untied while loading; refusing to return an inconsistent model")
+    model.load_state_dict(state, strict=False, assign=True)
+    if mc.tie_embeddings:
+        model.tie_weights()
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            raise RuntimeError("tied embeddings were untied while loading; refusing to return an inconsistent model")
+    _rebuild_meta_buffers(model)
     dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")
-        dtype = _DTYPES.get(saved) if isinstance(saved, str) else None
-    if dtype is not None:
-        cast_parameters(model, dtype)
+        dtype = _DTYPES.get(saved) if isinstance(saved, str) else torch.float32
+    cast_parameters(model, dtype)
     if device is not None:
         model.to(device)
     if mc.activation == "relu":
@@ -205,6 +208,21 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
                                             "name": str(path_or_hub_id)}
     assert sparse_ffns(model), "build_model always installs SparseFFN modules"
     return model, tokenizer
+
+
+def _rebuild_meta_buffers(model: torch.nn.Module) -> None:
+    """Recompute the buffers a checkpoint does not hold (RoPE inverse frequencies) after a meta-device build.
+
+    Rotary modules are rebuilt on the CPU from the model config (fp32, as transformers computes them);
+    anything else still on the meta device is an error, never a silently empty tensor.
+    """
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding") and any(b.is_meta for b in module.buffers()):
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], type(module)(config=model.config))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left uninitialised after loading (not in the checkpoint): {left[:6]}")
 
 
 def _load_tokenizer(ckpt: Path, raw: dict[str, Any], allow_network: bool | None):
