@@ -263,3 +263,15 @@ def test_rest_of_pipeline_cpu_smoke(tmp_path):
     assert [(r.notebook, r.status) for r in results] == [(n, "ok") for n in _LATER]
     for r in results:
         assert r.output.is_file()
+
+
+def test_environ_set_restores_after_an_error(monkeypatch):
+    from twell.paths import environ_set
+
+    monkeypatch.setenv("TWELL_TEST_A", "a")
+    monkeypatch.delenv("TWELL_TEST_B", raising=False)
+    with pytest.raises(RuntimeError):
+        with environ_set({"TWELL_TEST_A": None, "TWELL_TEST_B": "b"}):
+            assert "TWELL_TEST_A" not in os.environ and os.environ["TWELL_TEST_B"] == "b"
+            raise RuntimeError("inside")
+    assert os.environ["TWELL_TEST_A"] == "a" and "TWELL_TEST_B" not in os.environ

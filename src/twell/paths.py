@@ -12,8 +12,10 @@ tests agree without passing paths around:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator, Mapping
 
 
 def repo_root() -> Path:
@@ -65,3 +67,21 @@ def cache_dir(*parts: str, create: bool = True) -> Path:
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def environ_set(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Within the block, set (or, for None, remove) environment variables; restore them after."""
+    def apply(pairs: Mapping[str, str | None]) -> None:
+        for k, v in pairs.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        apply(values)
+        yield
+    finally:
+        apply(saved)

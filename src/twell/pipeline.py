@@ -14,10 +14,10 @@ from ``notebooks/<name>.ipynb``. Each notebook's parameters come from
 
 plus the common parameters ``profile`` (the profile name) and ``reports_dir`` (output root:
 ``reports/`` for gpu-small and gpu-full, ``reports/smoke/`` for cpu-smoke, so that the default run
-never replaces the committed results). Executed notebooks go to ``<reports>/notebooks/<name>.ipynb`` (overwritten by the next run, like
-the figures and tables they write; the profile is recorded in the notebook's papermill metadata and in
-``<reports>/notebooks/pipeline_run.json``). The run stops at the first failing notebook and exits
-non-zero naming the notebook and the failing cell.
+never replaces the committed results). Executed notebooks go to ``<reports>/notebooks/<name>.ipynb``
+(overwritten by the next run, like the figures and tables they write; the profile is recorded in the
+notebook's papermill metadata and in ``<reports>/notebooks/pipeline_run.json``). The run stops at the
+first failing notebook and exits non-zero naming the notebook and the failing cell.
 
 Directories can be redirected (tests do this) with arguments/flags or environment variables:
 ``TWELL_NOTEBOOKS`` (notebooks), ``TWELL_PIPELINE_CONFIGS`` (profile YAMLs), ``TWELL_REPORTS`` (outputs).
@@ -39,7 +39,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import yaml
 
-from twell.paths import SMOKE_PROFILE, repo_root, reports_root
+from twell.paths import SMOKE_PROFILE, environ_set, repo_root, reports_root
 
 NOTEBOOK_ORDER: tuple[str, ...] = (
     "00_twell_format",
@@ -232,25 +232,18 @@ def _kernel_environment(reports: Path, kernel_name: str | None) -> Iterator[str]
     another interpreter without twell (e.g. ``~/.local/share/jupyter/kernels/python3`` registered from
     another environment with an absolute path), and nothing has to be registered by hand.
     """
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "TWELL_REPORTS")}
     with tempfile.TemporaryDirectory(prefix="twell-kernel-") as tmp:
-        try:
-            os.environ["TWELL_REPORTS"] = str(reports)
-            if kernel_name is None:
-                kernel_name = "python3"
-                spec_dir = Path(tmp) / "kernels" / kernel_name
-                spec_dir.mkdir(parents=True)
-                from ipykernel.kernelspec import get_kernel_dict  # argv[0] == sys.executable
+        env: dict[str, str | None] = {"TWELL_REPORTS": str(reports)}
+        if kernel_name is None:
+            kernel_name = "python3"
+            spec_dir = Path(tmp) / "kernels" / kernel_name
+            spec_dir.mkdir(parents=True)
+            from ipykernel.kernelspec import get_kernel_dict  # argv[0] == sys.executable
 
-                (spec_dir / "kernel.json").write_text(json.dumps(get_kernel_dict(), indent=1))
-                os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [tmp, saved["JUPYTER_PATH"]]))
+            (spec_dir / "kernel.json").write_text(json.dumps(get_kernel_dict(), indent=1))
+            env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [tmp, os.environ.get("JUPYTER_PATH")]))
+        with environ_set(env):
             yield kernel_name
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _describe_failure(name: str, exc: Exception) -> tuple[str, int | None]:

@@ -8,7 +8,6 @@ the already-imported constants, and restores all of them on exit.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 
@@ -50,20 +49,14 @@ def hf_offline(enabled: bool = True) -> Iterator[None]:
         yield
         return
     from twell.data.network import HF_OFFLINE_VARS
+    from twell.paths import environ_set
 
-    saved_env = {name: os.environ.get(name) for name in HF_OFFLINE_VARS}
     saved_constants = [(mod, attr, getattr(mod, attr)) for mod, attr in _constants()]
-    try:
-        for name in HF_OFFLINE_VARS:
-            os.environ[name] = "1"
-        for mod, attr, _ in saved_constants:
-            setattr(mod, attr, True)
-        yield
-    finally:
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        for mod, attr, value in saved_constants:
-            setattr(mod, attr, value)
+    with environ_set({name: "1" for name in HF_OFFLINE_VARS}):
+        try:
+            for mod, attr, _ in saved_constants:
+                setattr(mod, attr, True)
+            yield
+        finally:
+            for mod, attr, value in saved_constants:
+                setattr(mod, attr, value)

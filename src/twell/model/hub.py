@@ -190,7 +190,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")
-        dtype = _DTYPES.get(saved) if isinstance(saved, str) else torch.float32
+        dtype = (_DTYPES.get(saved) if isinstance(saved, str) else None) or torch.float32  # as built before
     cast_parameters(model, dtype)
     if device is not None:
         model.to(device)
