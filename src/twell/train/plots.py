@@ -61,19 +61,26 @@ def plot_loss(runs: Runs, smooth: int = 20, title: str | None = None):
     return _finish(fig, title)
 
 
-def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
-    """Active neurons per token (% of the FFN width when ``widths`` gives it), per layer, against step
-    (moving mean over ``smooth`` logged steps)."""
+def _layer_panels(runs: Runs, key: str, height: float):
+    """One panel per run (shared y axis) for a per-layer training series: (fig, axes, panels), where
+    panels holds (axis, label, steps, values [steps, layers]) of every run that logged training records."""
     import matplotlib.pyplot as plt
 
     data = _records(runs)
-    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.8), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), height), squeeze=False, sharey=True)
+    panels = []
     for ax, (label, recs) in zip(axes[0], data.items()):
         tr = recs.get("train", [])
-        if not tr:
-            continue
-        s = np.array([r["step"] for r in tr])
-        act = np.array([r["active_mean"] for r in tr])  # [steps, L]
+        if tr:
+            panels.append((ax, label, np.array([r["step"] for r in tr]), np.array([r[key] for r in tr])))
+    return fig, axes, panels
+
+
+def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
+    """Active neurons per token (% of the FFN width when ``widths`` gives it), per layer, against step
+    (moving mean over ``smooth`` logged steps)."""
+    fig, axes, panels = _layer_panels(runs, "active_mean", 3.8)
+    for ax, label, s, act in panels:
         scale = 100.0 / widths[label] if widths and label in widths else 1.0
         for layer in range(act.shape[1]):
             ax.plot(s, _smooth(act[:, layer], smooth) * scale, lw=1, label=f"layer {layer}")
@@ -87,16 +94,8 @@ def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str 
 
 def plot_dead(runs: Runs, title: str | None = None):
     """Fraction of dead neurons (silent for the tracker's window) per layer against step."""
-    import matplotlib.pyplot as plt
-
-    data = _records(runs)
-    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 3.5), squeeze=False, sharey=True)
-    for ax, (label, recs) in zip(axes[0], data.items()):
-        tr = recs.get("train", [])
-        if not tr:
-            continue
-        s = np.array([r["step"] for r in tr])
-        dead = np.array([r["dead_frac"] for r in tr])
+    fig, axes, panels = _layer_panels(runs, "dead_frac", 3.5)
+    for ax, label, s, dead in panels:
         for layer in range(dead.shape[1]):
             ax.plot(s, 100 * dead[:, layer], lw=1, label=f"layer {layer}")
         ax.set(title=label, xlabel="step", ylabel="dead neurons (% of width)")
