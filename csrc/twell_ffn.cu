@@ -7,8 +7,14 @@
 // and token; v1 (one pair in flight per warp, registers only) was latency-bound at ~2.9 TB/s.
 // Here each warp keeps K pairs in flight: lane 0 copies the rows of upcoming neurons into a
 // K-stage shared-memory ring with cp.async.bulk (one instruction per row, completion on an
-// mbarrier) while the warp computes on the current stage. x of the row sits in registers (bf16),
+// mbarrier) while the warp computes on the current stage. x of the row sits in registers (fp32),
 // the output accumulates in fp32 registers, the hidden state never reaches memory.
+//
+// v3 (inner loop only). The v2 loop compiled to 596 instructions per active neuron: generic
+// 64-bit loads from the ring, one branch per 256-column chunk (D is a runtime value) that
+// serialised the 16 loads, and x converted from bf16 again for every neuron. Now: shared-memory
+// loads by address, all chunk loads issued before the math, no per-chunk branch (FULL = D is a
+// multiple of 256, else chunks past D are zeroed by select), x converted once per row: 375.
 //
 // Rows are split by work: a "light" row (at most LIST_CAP active neurons, no unresolved overflow)
 // is done by one warp (light kernel); heavier rows are queued on the device and done by a whole
@@ -80,7 +86,8 @@ __device__ __forceinline__ void ring_issue(Ring& r, const Params& p, uint32_t en
   ++r.issued;
 }
 
-__device__ __forceinline__ const uint8_t* ring_wait(Ring& r) {
+// Shared-memory address of the next stage once its copies have landed.
+__device__ __forceinline__ uint32_t ring_wait(Ring& r) {
   const int s = r.consumed % K;
   const uint32_t parity = (r.consumed / K) & 1;
   uint32_t done = 0;
@@ -89,26 +96,24 @@ __device__ __forceinline__ const uint8_t* ring_wait(Ring& r) {
                  : "=r"(done) : "r"(smem_u32(&r.bar[s])), "r"(parity) : "memory");
   }
   ++r.consumed;
-  return r.buf + s * STAGE;
+  return smem_u32(r.buf) + s * STAGE;
 }
 
-// Lane's share of a row: CH chunks of 8 bf16; chunk c covers columns 8*(32*c + lane) + [0, 8).
+// 16-byte shared-memory load by address. Volatile keeps it after the mbarrier wait that made the
+// data visible (and before the next copy into the stage); a generic pointer here compiled to
+// generic 64-bit loads.
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// Lane's share of a weight row read from global memory (recompute path): CH chunks of 8 bf16;
+// chunk c covers columns 8*(32*c + lane) + [0, 8), zero past D.
 template <int CH>
 struct Row {
   uint4 v[CH];
 };
-
-__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
-  float s = bf16lo(a.x) * bf16lo(b.x);
-  s = fmaf(bf16hi(a.x), bf16hi(b.x), s);
-  s = fmaf(bf16lo(a.y), bf16lo(b.y), s);
-  s = fmaf(bf16hi(a.y), bf16hi(b.y), s);
-  s = fmaf(bf16lo(a.z), bf16lo(b.z), s);
-  s = fmaf(bf16hi(a.z), bf16hi(b.z), s);
-  s = fmaf(bf16lo(a.w), bf16lo(b.w), s);
-  s = fmaf(bf16hi(a.w), bf16hi(b.w), s);
-  return s;
-}
 
 template <int CH>
 __device__ __forceinline__ void load_row_global(Row<CH>& r, const __nv_bfloat16* row, int lane, int D) {
@@ -119,18 +124,65 @@ __device__ __forceinline__ void load_row_global(Row<CH>& r, const __nv_bfloat16*
   }
 }
 
+// The row's x in fp32 registers, converted once per row rather than once per active neuron.
+// Lane's share: CH chunks of 8 values; chunk c covers columns 8*(32*c + lane) + [0, 8); zero past D.
 template <int CH>
-__device__ __forceinline__ float dot_smem(const Row<CH>& x, const uint8_t* w, int lane, int D) {
-  float s = 0.f;
+struct RowF {
+  float v[CH * 8];
+};
+
+template <int CH>
+__device__ __forceinline__ void load_x(RowF<CH>& x, const __nv_bfloat16* row, int lane, int D) {
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
     const int col = 8 * (32 * c + lane);
-    if (col < D) s += dot8(x.v[c], *reinterpret_cast<const uint4*>(w + 2 * col));
+    const uint4 w = col < D ? ldg_nc(row + col) : make_uint4(0, 0, 0, 0);
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // Identity shuffles: the compiler would otherwise keep x packed and redo the two-instruction
+      // conversion for every active neuron (measured in SASS: 64 extra integer ops per neuron).
+      x.v[8 * c + 2 * j] = __shfl_sync(0xffffffffu, bf16lo(u[j]), lane);
+      x.v[8 * c + 2 * j + 1] = __shfl_sync(0xffffffffu, bf16hi(u[j]), lane);
+    }
   }
-  return warp_sum(s);
 }
 
-template <int CH>
+__device__ __forceinline__ float dot8(const float* x, const uint4& w) {
+  float s = x[0] * bf16lo(w.x);
+  s = fmaf(x[1], bf16hi(w.x), s);
+  s = fmaf(x[2], bf16lo(w.y), s);
+  s = fmaf(x[3], bf16hi(w.y), s);
+  s = fmaf(x[4], bf16lo(w.z), s);
+  s = fmaf(x[5], bf16hi(w.z), s);
+  s = fmaf(x[6], bf16lo(w.w), s);
+  s = fmaf(x[7], bf16hi(w.w), s);
+  return s;
+}
+
+// x . w for a weight row in shared memory at `w`. All CH loads are issued before any math and the
+// CH partial sums are independent chains: no branch per chunk, so nothing serialises the loads.
+// Chunks past D read stage bytes that belong to no row (always inside the 8 KB stage since
+// D <= 2048); they are zeroed, and x is zero there too.
+template <int CH, bool FULL>
+__device__ __forceinline__ float dot_smem(const RowF<CH>& x, uint32_t w, int lane, int D) {
+  uint4 v[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const int col = 8 * (32 * c + lane);
+    v[c] = lds128(w + 2 * col);
+    if (!FULL && col >= D) v[c] = make_uint4(0, 0, 0, 0);
+  }
+  float part[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) part[c] = dot8(x.v + 8 * c, v[c]);
+#pragma unroll
+  for (int step = 1; step < CH; step *= 2)
+#pragma unroll
+    for (int c = 0; c + step < CH; c += 2 * step) part[c] += part[c + step];
+  return warp_sum(part[0]);
+}
+
 __device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
   const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -140,27 +192,30 @@ __device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
   }
 }
 
+// acc += s * w for a weight row in shared memory. Columns past D accumulate bytes of no row; they
+// are never stored.
 template <int CH>
-__device__ __forceinline__ void axpy_smem(float (&acc)[CH * 8], float s, const uint8_t* w, int lane, int D) {
+__device__ __forceinline__ void axpy_smem(float (&acc)[CH * 8], float s, uint32_t w, int lane) {
+  uint4 v[CH];
 #pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int col = 8 * (32 * c + lane);
-    if (col < D) axpy8<CH>(acc + 8 * c, s, *reinterpret_cast<const uint4*>(w + 2 * col));
-  }
+  for (int c = 0; c < CH; ++c) v[c] = lds128(w + 2 * 8 * (32 * c + lane));
+#pragma unroll
+  for (int c = 0; c < CH; ++c) axpy8(acc + 8 * c, s, v[c]);
 }
 
 // out += contributions of list[0..n) (TwELL entries) through the warp's ring.
-template <int CH, bool GATED>
-__device__ void run_list(float (&acc)[CH * 8], const Row<CH>& x, const uint32_t* list, int n, Ring& r,
+// FULL: D == 256 * CH, so no chunk reaches past D (the D = 2048 of every paper scale).
+template <int CH, bool GATED, bool FULL>
+__device__ void run_list(float (&acc)[CH * 8], const RowF<CH>& x, const uint32_t* list, int n, Ring& r,
                          const Params& p, int lane) {
   if (lane == 0)
     for (int e = 0; e < n && e < K; ++e) ring_issue(r, p, list[e], GATED);
   for (int e = 0; e < n; ++e) {
-    const uint8_t* stage = ring_wait(r);
+    const uint32_t stage = ring_wait(r);
     const uint32_t entry = list[e];
     float s = entry_value(entry);
-    if (GATED) s *= dot_smem<CH>(x, stage, lane, p.D);
-    axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane, p.D);
+    if (GATED) s *= dot_smem<CH, FULL>(x, stage, lane, p.D);
+    axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane);
     __syncwarp();
     if (lane == 0 && e + K < n) ring_issue(r, p, list[e + K], GATED);
   }
@@ -168,14 +223,14 @@ __device__ void run_list(float (&acc)[CH * 8], const Row<CH>& x, const uint32_t*
 
 // Exact recompute of one overflowing tile without a spill copy: every neuron of the tile.
 template <int CH, bool GATED>
-__device__ void recompute_tile(float (&acc)[CH * 8], const Row<CH>& x, int t, const Params& p, int lane) {
+__device__ void recompute_tile(float (&acc)[CH * 8], const RowF<CH>& x, int t, const Params& p, int lane) {
   const int n_end = min(p.H, (t + 1) * p.T);
   for (int n = t * p.T; n < n_end; ++n) {
     Row<CH> wa;
     load_row_global(wa, p.w_act + size_t(n) * p.D, lane, p.D);
     float g = 0.f;
 #pragma unroll
-    for (int c = 0; c < CH; ++c) g += dot8(x.v[c], wa.v[c]);
+    for (int c = 0; c < CH; ++c) g += dot8(x.v + 8 * c, wa.v[c]);
     const __nv_bfloat16 hb = relu_bf16(warp_sum(g));
     if (__bfloat16_as_ushort(hb) == 0) continue;
     float s = __bfloat162float(hb);
@@ -184,12 +239,12 @@ __device__ void recompute_tile(float (&acc)[CH * 8], const Row<CH>& x, int t, co
       load_row_global(w, p.w_up + size_t(n) * p.D, lane, p.D);
       float u = 0.f;
 #pragma unroll
-      for (int c = 0; c < CH; ++c) u += dot8(x.v[c], w.v[c]);
+      for (int c = 0; c < CH; ++c) u += dot8(x.v + 8 * c, w.v[c]);
       s *= warp_sum(u);
     }
     load_row_global(w, p.w_down_t + size_t(n) * p.D, lane, p.D);
 #pragma unroll
-    for (int c = 0; c < CH; ++c) axpy8<CH>(acc + 8 * c, s, w.v[c]);
+    for (int c = 0; c < CH; ++c) axpy8(acc + 8 * c, s, w.v[c]);
   }
 }
 
@@ -285,7 +340,7 @@ __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
 }
 
 // Light kernel: one warp per row; heavy rows are queued for the heavy kernel.
-template <int CH, bool GATED>
+template <int CH, bool GATED, bool FULL>
 __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -310,8 +365,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
                    "r"(smem_u32(twbar))
                    : "memory");
     }
-    Row<CH> x;
-    load_row_global(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
+    RowF<CH> x;
+    __syncwarp();  // converged for load_x's shuffles
+    load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
     uint32_t done = 0;
     while (!done) {
       asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
@@ -326,13 +382,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
     float acc[CH * 8];
 #pragma unroll
     for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
-    run_list<CH, GATED>(acc, x, list, n, ring, p, lane);
+    run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
     store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
   }
 }
 
 // Heavy kernel: one CTA per queued row; warp w takes tiles w, w + WARPS, ... in LIST_CAP batches.
-template <int CH, bool GATED>
+template <int CH, bool GATED, bool FULL>
 __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -341,8 +397,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
   for (uint32_t h = blockIdx.x; h < n_heavy; h += gridDim.x) {
     const int row = int(p.heavy[1 + h]);
-    Row<CH> x;
-    load_row_global(x, p.x + size_t(row) * p.D, lane, p.D);
+    RowF<CH> x;
+    load_x(x, p.x + size_t(row) * p.D, lane, p.D);
     float acc[CH * 8];
 #pragma unroll
     for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
@@ -358,7 +414,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
         const int n = int(min(uint32_t(LIST_CAP), ti.count - b));
         for (int j = lane; j < n; j += 32) list[j] = __ldg(ti.entries + b + j);
         __syncwarp();
-        run_list<CH, GATED>(acc, x, list, n, ring, p, lane);
+        run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
         __syncwarp();
       }
     }
@@ -383,11 +439,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   }
 }
 
-template <int CH>
+template <int CH, bool FULL>
 cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
   const bool gated = p.w_up != nullptr;
-  auto light = gated ? light_kernel<CH, true> : light_kernel<CH, false>;
-  auto heavy = gated ? heavy_kernel<CH, true> : heavy_kernel<CH, false>;
+  auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
+  auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
   cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   int sms = 0;
@@ -425,10 +481,18 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 tile,
                 S};
   const int ch = (D + 255) / 256;
-  if (ch <= 1) return ffn::launch_ch<1>(p, device, stream);
-  if (ch <= 2) return ffn::launch_ch<2>(p, device, stream);
-  if (ch <= 4) return ffn::launch_ch<4>(p, device, stream);
-  return ffn::launch_ch<8>(p, device, stream);
+  const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
+  const bool full = D == 256 * CH;
+  switch (CH * (full ? -1 : 1)) {
+    case 1: return ffn::launch_ch<1, false>(p, device, stream);
+    case 2: return ffn::launch_ch<2, false>(p, device, stream);
+    case 4: return ffn::launch_ch<4, false>(p, device, stream);
+    case 8: return ffn::launch_ch<8, false>(p, device, stream);
+    case -1: return ffn::launch_ch<1, true>(p, device, stream);
+    case -2: return ffn::launch_ch<2, true>(p, device, stream);
+    case -4: return ffn::launch_ch<4, true>(p, device, stream);
+    default: return ffn::launch_ch<8, true>(p, device, stream);
+  }
 }
 
 }  // namespace twell
