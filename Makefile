@@ -12,7 +12,11 @@ $(STAMP): pyproject.toml scripts/ensure_torch.py
 	$(PYTHON) -m pip install -e ".[dev]"
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The stamp says set-up ran in this tree; the import check catches a tree that moved to a fresh
+# interpreter (stamp present, package absent).
+setup:
+	@$(PYTHON) -c "import twell, pytest, hypothesis" 2>/dev/null || rm -f $(STAMP)
+	@$(MAKE) --no-print-directory $(STAMP) PYTHON=$(PYTHON)
 
 run: setup
 	$(PYTHON) -m twell.pipeline --profile $(PROFILE) $(if $(ONLY),--only $(ONLY))

@@ -14,6 +14,7 @@
 #   TEST_ARGS    extra args of pytest (default: none), e.g. TEST_ARGS="tests/test_kernels.py"
 #   SKIP_BUILD=1 SKIP_PTXAS=1 SKIP_TESTS=1 SKIP_BENCH=1   skip a stage
 #   PYTHON       interpreter (default python3); MAX_JOBS (default: nproc)
+# Carry .whl (scripts/gpu_wheels.sh) for the lm-eval GPU test; without it that test fails on import.
 # Exit status: 0 when every stage that ran passed, else 1 (each stage is attempted regardless).
 set -u -o pipefail
 
@@ -24,6 +25,12 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
+
+# Wheels carried in .whl/ (scripts/gpu_wheels.sh: lm-eval and its needs, absent from the GPU image).
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "!!! installing .whl/ failed"
+fi
 
 declare -a NAMES=() RESULTS=()
 FAILED=0

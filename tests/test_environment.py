@@ -79,3 +79,24 @@ def test_conda_python_satisfies_requires_python(pyproject, environment):
     assert Version(version) in spec, f"environment.yml python {version} outside requires-python {spec}"
     running = Version(".".join(map(str, sys.version_info[:3])))
     assert running in spec, f"this interpreter {running} is outside requires-python {spec}"
+
+
+def test_installed_environment_satisfies_pyproject(pyproject):
+    # Some test modules skip when an optional import is missing (the GPU image has no papermill or
+    # nbformat); this test keeps such skips from hiding a broken install where the tests normally run.
+    from importlib.metadata import PackageNotFoundError, version
+
+    project = pyproject["project"]
+    missing, wrong = [], []
+    for spec in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            missing.append(req.name)
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            wrong.append(f"{req.name} {have} (needs {req.specifier})")
+    assert not missing and not wrong, f"not installed: {missing}; wrong version: {wrong} (run `make setup`)"

@@ -10,9 +10,10 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
-import nbformat
 import pytest
 import yaml
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat (papermill's dependency) is not installed")
 
 from twell import pipeline as pl
 

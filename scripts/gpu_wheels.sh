@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Wheels for the GPU machine, whose image lacks lm-eval and some of its pure-Python needs (the image's
+# own torch, transformers, accelerate, pandas, pyarrow, scikit-learn, sacrebleu, ... are used as they
+# are). Run here, in the repository root (needs a package registry); then pass `.whl` in the device
+# tool's `carry`: scripts/gpu_check.sh installs them into /tmp/site when .whl/ exists.
+# Versions match the local environment that the CPU tests use.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p .git/info .whl
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl \
+    lm_eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 \
+    more_itertools==11.2.1 pytablewriter==1.2.1 dataproperty==1.1.1 mbstrdecoder==1.1.5 \
+    pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1 \
+    rouge-score==0.0.4 nltk==3.10.4
+# These two ship only as source: build pure-Python wheels here.
+python3 -m pip wheel -q --no-deps -w .whl sqlitedict==2.1.0 word2number==1.1
+ls .whl && du -sh .whl
