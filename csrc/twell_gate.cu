@@ -1,14 +1,18 @@
 // Gate GEMM that writes TwELL from its epilogue: packed = TwELL(relu(x @ w_gate^T)).
 //
 // Hopper (sm_90a) persistent kernel, 384 threads:
-//   warpgroup 0     producer: one thread issues TMA loads of x and w_gate tiles into a ring of
-//                   STAGES shared-memory buffers (128B swizzle), completing on mbarriers;
+//   warpgroup 0     warp 0, one thread: producer, issues TMA loads of x and w_gate tiles into a
+//                   ring of STAGES shared-memory buffers (128B swizzle), completing on mbarriers;
+//                   warps 1-3: packers, turn a finished tile into TwELL (below);
 //   warpgroups 1,2  consumers: each multiplies 64 rows x 256 columns with wgmma m64n256k16,
 //                   accumulating in 128 fp32 registers per thread.
-// The GEMM tile (128 x 256) has the TwELL tile's width (or a multiple of it), so every TwELL
-// tile row lives in the registers of 4 neighbouring lanes: the epilogue applies ReLU, rounds to
-// bf16, counts the nonzeros with a 4-lane scan and stores count + (value, column) words
-// directly. No dense activation is ever written. A tile row with more nonzeros than slots moves
+// Epilogue in two halves so the tensor cores do not wait for the packing: the consumers only
+// apply ReLU, round to bf16 and drop the tile into a 64 KB staging buffer in shared memory, then
+// start the next tile's MMAs; the packer warps read the staged tile row by row (one warp per row,
+// 8 columns per lane), count each TwELL tile row's nonzeros with a segmented warp scan and store
+// count + (value, column) words, in column order. No dense activation is ever written to global
+// memory. The GEMM tile (128 x 256) is a multiple of the TwELL tile's width, so every TwELL tile
+// row comes from one staged row. A tile row with more nonzeros than slots moves
 // its entries to a spill area (count word = 0x80000000 | offset), so consumers still read exactly
 // its nonzeros; if the spill area is full the count word keeps the true count and consumers
 // recompute that tile exactly from x and the weights.
@@ -29,11 +33,15 @@ namespace gate {
 constexpr int BM = 128;                 // rows (tokens) per tile
 constexpr int BN = 256;                 // columns (neurons) per tile
 constexpr int BK = 64;                  // 64 bf16 = 128 bytes = one swizzle row
-constexpr int STAGES = 4;
+constexpr int STAGES = 3;              // 3 x 48 KB ring + the 64 KB staging buffer fit in 227 KB
 constexpr int A_BYTES = BM * BK * 2;    // 16 KB
 constexpr int B_BYTES = BN * BK * 2;    // 32 KB
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /*align*/ + 2 * STAGES * 8 /*barriers*/;
+constexpr int STG_ROW_BYTES = BN * 2;   // one staged tile row: 256 bf16
+constexpr int STG_BYTES = BM * STG_ROW_BYTES;
+constexpr int PACK_WARPS = 3;
+constexpr int PACK_ROWS = 4;            // rows a packer warp works on at once (BM % PACK_ROWS == 0)
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STG_BYTES + 1024 /*align*/ + (2 * STAGES + 2) * 8 /*barriers*/;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -122,52 +130,92 @@ struct Spill {
   uint32_t cap;
 };
 
-// Store one TwELL tile row held by the 4 lanes of a quad (q = lane % 4). Columns of this lane:
-// tile column 8*i + 2*q + e for i in [I0, I0 + T/8), e in {0, 1}; acc[4*i + 2*hf + e] is the fp32
-// accumulator. Entries are written lane-major (lane q's entries, then lane q+1's).
-template <int T, int I0>
-__device__ __forceinline__ void store_twell_tile_row(const float (&acc)[128], int hf, uint32_t* row_out, bool row_ok,
-                                                     int q, int S, uint32_t col0, const Spill& spill) {
-  constexpr int NI = T / 8;
-  uint64_t mask = 0;  // one bit per value of this lane: ReLU + bf16 rounding decide activity (NaN is active)
+// Staged tile: row r holds 32 chunks of 16 bytes (8 bf16 columns each); chunk c sits at position
+// c ^ (r % 8), so that the consumers' stores (8 rows x 4 words per instruction) and the packers'
+// row reads (32 lanes x 16 bytes) are both free of bank conflicts.
+__device__ __forceinline__ uint32_t stg_offset(int r, int chunk) {
+  return uint32_t(r * STG_ROW_BYTES + ((chunk ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+// Bit j set when the j-th of the 8 bf16 values in v is nonzero (values are ReLU'd: +0 or active).
+__device__ __forceinline__ uint32_t nonzero_mask(const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < NI; ++i) {
+  for (int i = 0; i < 4; ++i) m |= (uint32_t((w[i] & 0xFFFFu) != 0) | (uint32_t(w[i] > 0xFFFFu) << 1)) << (2 * i);
+  return m;
+}
+
+// Pack R staged rows r0..r0+R-1 into TwELL, one warp; lane l holds tile columns 8l..8l+7 of each
+// (bf16 bits). A TwELL tile spans G = T/8 lanes, whose counts are scanned inside the segment. The
+// R rows are independent, so their loads, scans and stores interleave (one packer warp per
+// scheduler has nothing else to hide latency with).
+template <int T, int R>
+__device__ __forceinline__ void pack_rows(uint32_t stg, int r0, int m0, int M, uint32_t* __restrict__ out, int nb,
+                                          int lane, int S, int n_twell_tiles, const Spill& spill) {
+  constexpr int G = T / 8;
+  const int seg_lane = lane % G;
+  const int t = nb * (BN / T) + lane / G;
+  const bool t_ok = t < n_twell_tiles;
+  uint4 v[R];
+  uint32_t mask[R];
+  int cnt[R], incl[R], total[R];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const bool on = __bfloat16_as_ushort(relu_bf16(acc[4 * (I0 + i) + 2 * hf + e])) != 0;
-      mask |= uint64_t(on) << (2 * i + e);
+  for (int k = 0; k < R; ++k) v[k] = lds128(stg + stg_offset(r0 + k, lane));
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    mask[k] = nonzero_mask(v[k]);
+    cnt[k] = incl[k] = __popc(mask[k]);
+  }
+#pragma unroll
+  for (int o = 1; o < G; o <<= 1) {
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int up = __shfl_up_sync(0xffffffffu, incl[k], o, G);
+      if (seg_lane >= o) incl[k] += up;
     }
   }
-  const int cnt = __popcll(mask);
-  int incl = cnt;  // inclusive scan over the 4 lanes of the quad
-  int t = __shfl_up_sync(0xffffffffu, incl, 1, 4);
-  if (q >= 1) incl += t;
-  t = __shfl_up_sync(0xffffffffu, incl, 2, 4);
-  if (q >= 2) incl += t;
-  const int total = __shfl_sync(0xffffffffu, incl, 3, 4);
-  const bool over = row_ok && total > S - 1;
-  uint32_t off = 0;
-  if (over && q == 0 && spill.words != nullptr) {
-    off = atomicAdd(spill.used, uint32_t(total + 1));
-  }
-  off = __shfl_sync(0xffffffffu, off, 0, 4);
-  if (!row_ok) return;
-  const bool spilled = over && spill.words != nullptr && off + uint32_t(total) + 1 <= spill.cap && off < 0x80000000u;
-  uint32_t* dst = spilled ? spill.words + off : row_out;  // slot 0 = count in both layouts
-  const int limit = spilled ? total + 1 : S;
-  if (q == 0) {
-    row_out[0] = spilled ? (0x80000000u | off) : uint32_t(total);
-    if (spilled) dst[0] = uint32_t(total);
-  }
-  int slot = 1 + incl - cnt;  // this lane's first entry slot
 #pragma unroll
-  for (int i = 0; i < NI; ++i) {
+  for (int k = 0; k < R; ++k) total[k] = __shfl_sync(0xffffffffu, incl[k], G - 1, G);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if ((mask >> (2 * i + e)) & 1) {
-        if (slot < limit) dst[slot] = pack_entry(relu_bf16(acc[4 * (I0 + i) + 2 * hf + e]), col0 + 8 * i + 2 * q + e);
-        ++slot;
-      }
+  for (int k = 0; k < R; ++k) {
+    const int row = m0 + r0 + k;
+    const bool ok = t_ok && row < M;
+    const bool over = ok && total[k] > S - 1;
+    uint32_t off = 0;
+    if (__any_sync(0xffffffffu, over)) {  // rare: claim spill space, one atomic per tile row
+      if (over && seg_lane == 0 && spill.words != nullptr) off = atomicAdd(spill.used, uint32_t(total[k] + 1));
+      off = __shfl_sync(0xffffffffu, off, 0, G);
+    }
+    if (!ok) continue;
+    uint32_t* tile_out = out + (size_t(row) * size_t(n_twell_tiles) + size_t(t)) * size_t(S);
+    const bool spilled = over && spill.words != nullptr && off + uint32_t(total[k]) + 1 <= spill.cap &&
+                         off < 0x80000000u;
+    uint32_t* dst = spilled ? spill.words + off : tile_out;  // slot 0 = count in both layouts
+    const int limit = spilled ? total[k] + 1 : S;
+    if (seg_lane == 0) {
+      tile_out[0] = spilled ? (0x80000000u | off) : uint32_t(total[k]);
+      if (spilled) dst[0] = uint32_t(total[k]);
+    }
+    int slot = 1 + incl[k] - cnt[k];  // this lane's first entry slot; entries in column order
+    const uint32_t col0 = uint32_t(t * T + 8 * seg_lane);
+    for (uint32_t m = mask[k]; m != 0; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const uint32_t lo = (j & 2) ? v[k].y : v[k].x, hi = (j & 2) ? v[k].w : v[k].z;
+      const uint32_t word = (j & 4) ? hi : lo;
+      const uint32_t bits = (j & 1) ? (word & 0xFFFF0000u) : (word << 16);
+      if (slot < limit) dst[slot] = bits | (col0 + uint32_t(j));
+      ++slot;
     }
   }
 }
@@ -182,8 +230,11 @@ __global__ void __launch_bounds__(384, 1)
                       uint32_t* __restrict__ out, int M, int H, int D, int S, int n_twell_tiles, Spill spill) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  const uint32_t stg = smem_u32(smem + STAGES * STAGE_BYTES);  // staging buffer (shared address)
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + STG_BYTES);
   uint64_t* empty = full + STAGES;
+  uint64_t* stg_full = empty + STAGES;  // consumers staged a tile (256 arrivals)
+  uint64_t* stg_empty = stg_full + 1;   // packers finished reading it (PACK_WARPS * 32 arrivals)
 
   const int wg = threadIdx.x / 128;
   const int n_blocks_n = (H + BN - 1) / BN;
@@ -198,12 +249,15 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8 * CL);  // one arrival per consumer warp of every CTA that fills it
     }
+    mbar_init(stg_full, 256);
+    mbar_init(stg_empty, PACK_WARPS * 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if constexpr (CL > 1) cluster_sync(); else __syncthreads();
 
+  // No setmaxnreg: the whole kernel is compiled for 168 registers (384 threads, 1 CTA per SM), which
+  // the consumers' 128 accumulators fit, and the packers need their registers too.
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 1;  // a fresh barrier counts as released once
@@ -225,14 +279,27 @@ __global__ void __launch_bounds__(384, 1)
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
       }
+    } else if (threadIdx.x >= 32) {
+      const int pw = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
+      uint32_t sphase = 0;
+      for (int g = group0; g < n_groups; g += group_step) {
+        const int m0 = ((g / n_blocks_n) * CL + int(rank)) * BM;
+        const int nb = g % n_blocks_n;
+        mbar_wait(stg_full, sphase);
+        sphase ^= 1;
+        // Groups of PACK_ROWS consecutive rows, dealt round-robin to the packer warps.
+        for (int r0 = pw * PACK_ROWS; r0 < BM && m0 + r0 < M; r0 += PACK_WARPS * PACK_ROWS) {
+          pack_rows<T, PACK_ROWS>(stg, r0, m0, M, out, nb, lane, S, n_twell_tiles, spill);
+        }
+        mbar_arrive(stg_empty);
+      }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int ct = threadIdx.x - 128 * wg;  // thread index inside this consumer warpgroup
     const int warp = ct / 32, lane = ct % 32, q = lane % 4;
     const int row_in_tile = 64 * (wg - 1) + 16 * warp + lane / 4;
     int stage = 0;
-    uint32_t phase = 0;
+    uint32_t phase = 0, sphase = 1;  // a fresh staging buffer counts as free once
     float acc[128];
     auto release = [&](int st) {
       if (lane == 0) {
@@ -246,8 +313,6 @@ __global__ void __launch_bounds__(384, 1)
       }
     };
     for (int g = group0; g < n_groups; g += group_step) {
-      const int m0 = ((g / n_blocks_n) * CL + int(rank)) * BM;
-      const int nb = g % n_blocks_n;
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       int prev_stage = -1;
@@ -269,29 +334,22 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_wait<0>();
       if (prev_stage >= 0) release(prev_stage);
 
-      // Epilogue: two rows per thread (hf = 0: row, hf = 1: row + 8), 256/T TwELL tiles each.
+      // Epilogue, consumer half: ReLU, bf16, into the staging buffer once the packers released it.
+      // This thread holds rows row_in_tile (hf = 0) and row_in_tile + 8 (hf = 1), columns
+      // 8i + 2q + {0, 1} in acc[4i + 2hf + {0, 1}]: one 4-byte word per (hf, i).
+      mbar_wait(stg_empty, sphase);
+      sphase ^= 1;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int row = m0 + row_in_tile + 8 * hf;
-        const bool row_ok = row < M;
-        uint32_t* row_out = out + size_t(row_ok ? row : 0) * size_t(n_twell_tiles) * S;
+        const int r = row_in_tile + 8 * hf;
 #pragma unroll
-        for (int sub = 0; sub < BN / T; ++sub) {
-          const int t = nb * (BN / T) + sub;
-          const bool ok = row_ok && t < n_twell_tiles;
-          if constexpr (T == 256) {
-            store_twell_tile_row<T, 0>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-          } else if constexpr (T == 128) {
-            if (sub == 0) store_twell_tile_row<T, 0>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-            else store_twell_tile_row<T, 16>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-          } else {
-            if (sub == 0) store_twell_tile_row<T, 0>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-            else if (sub == 1) store_twell_tile_row<T, 8>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-            else if (sub == 2) store_twell_tile_row<T, 16>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-            else store_twell_tile_row<T, 24>(acc, hf, row_out + t * S, ok, q, S, t * T, spill);
-          }
+        for (int i = 0; i < 32; ++i) {
+          const uint32_t lo = __bfloat16_as_ushort(relu_bf16(acc[4 * i + 2 * hf]));
+          const uint32_t hi = __bfloat16_as_ushort(relu_bf16(acc[4 * i + 2 * hf + 1]));
+          sts32(stg + stg_offset(r, i) + 4 * q, lo | (hi << 16));
         }
       }
+      mbar_arrive(stg_full);
     }
   }
   // No CTA may leave while its partner can still multicast into it or arrive on its barriers.
