@@ -66,7 +66,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
     }
   }
   at::Tensor out = at::empty({M, D}, x.options());
-  at::Tensor heavy = at::empty({M + 1}, x.options().dtype(at::kInt));
+  at::Tensor heavy = at::empty({M + 2}, x.options().dtype(at::kInt));  // counts + row queue
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(twell::launch_twell_ffn(
                    x.data_ptr(), reinterpret_cast<const uint32_t*>(tw.data_ptr()),

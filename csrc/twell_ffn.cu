@@ -47,7 +47,8 @@ struct Params {
   const __nv_bfloat16* w_up;      // null for non-gated
   const __nv_bfloat16* w_down_t;
   __nv_bfloat16* out;
-  uint32_t* heavy;                // heavy[0] = count (zeroed before the light kernel), heavy[1..] = rows
+  uint32_t* heavy;                // [0] heavy-row count, [1] next light row (both zeroed before the
+                                  // light kernel), [2..] heavy rows
   int M, D, H, n_tiles, T, S;
 };
 
@@ -339,7 +340,49 @@ __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
   return Ring{sm.ring[warp][0], sm.bar[warp], 0, 0};
 }
 
-// Light kernel: one warp per row; heavy rows are queued for the heavy kernel.
+// One light row: TwELL words -> entry list -> fused up/down; heavy rows are queued instead.
+template <int CH, bool GATED, bool FULL>
+__device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, uint64_t* twbar,
+                                          uint32_t& tw_phase, const Params& p, int lane) {
+  const uint32_t row_bytes = uint32_t(p.n_tiles * p.S) * 4;
+  if (row_bytes > uint32_t(K * STAGE)) {  // the row's words do not fit the ring: heavy path
+    if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+    return;
+  }
+  // The ring is drained here: borrow it for the row's TwELL words (one bulk copy).
+  if (lane == 0) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(twbar)), "r"(row_bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(ring.buf)), "l"(p.tw + size_t(row) * p.n_tiles * p.S), "r"(row_bytes),
+                 "r"(smem_u32(twbar))
+                 : "memory");
+  }
+  RowF<CH> x;
+  __syncwarp();  // converged for load_x's shuffles
+  load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(done) : "r"(smem_u32(twbar)), "r"(tw_phase) : "memory");
+  }
+  tw_phase ^= 1;
+  const int n = compact_row(list, reinterpret_cast<const uint32_t*>(ring.buf), p, lane);
+  if (n < 0) {
+    if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+    return;
+  }
+  float acc[CH * 8];
+#pragma unroll
+  for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
+  run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
+  store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
+}
+
+// Light kernel: one warp per row. Warps take rows from a device counter instead of a fixed
+// stride, so uneven row lengths (heavy tails) do not leave a few warps finishing long after the
+// others; each warp asks for its next row while it works on the current one.
 template <int CH, bool GATED, bool FULL>
 __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   Smem& sm = smem_ref();
@@ -348,42 +391,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   uint32_t* list = sm.list[warp];
   uint64_t* twbar = &sm.twbar[warp];
   uint32_t tw_phase = 0;
-  const uint32_t row_bytes = uint32_t(p.n_tiles * p.S) * 4;
-  const bool fits = row_bytes <= uint32_t(K * STAGE);  // else every row takes the heavy path
-  for (int row = blockIdx.x * WARPS + warp; row < p.M; row += gridDim.x * WARPS) {
-    if (!fits) {
-      if (lane == 0) p.heavy[1 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
-      continue;
-    }
-    // The ring is drained here: borrow it for the row's TwELL words (one bulk copy).
-    if (lane == 0) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(twbar)), "r"(row_bytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_u32(ring.buf)), "l"(p.tw + size_t(row) * p.n_tiles * p.S), "r"(row_bytes),
-                   "r"(smem_u32(twbar))
-                   : "memory");
-    }
-    RowF<CH> x;
-    __syncwarp();  // converged for load_x's shuffles
-    load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
-                   : "=r"(done) : "r"(smem_u32(twbar)), "r"(tw_phase) : "memory");
-    }
-    tw_phase ^= 1;
-    const int n = compact_row(list, reinterpret_cast<const uint32_t*>(ring.buf), p, lane);
-    if (n < 0) {
-      if (lane == 0) p.heavy[1 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
-      continue;
-    }
-    float acc[CH * 8];
-#pragma unroll
-    for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
-    run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
-    store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
+  uint32_t* next_row = p.heavy + 1;
+  uint32_t row = lane == 0 ? atomicAdd(next_row, 1u) : 0u;
+  row = __shfl_sync(0xffffffffu, row, 0);
+  while (row < uint32_t(p.M)) {
+    const uint32_t next = lane == 0 ? atomicAdd(next_row, 1u) : 0u;  // latency hidden by this row
+    light_row<CH, GATED, FULL>(int(row), ring, list, twbar, tw_phase, p, lane);
+    row = __shfl_sync(0xffffffffu, next, 0);
   }
 }
 
@@ -396,7 +410,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   uint32_t* list = sm.list[warp];
   const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
   for (uint32_t h = blockIdx.x; h < n_heavy; h += gridDim.x) {
-    const int row = int(p.heavy[1 + h]);
+    const int row = int(p.heavy[2 + h]);
     RowF<CH> x;
     load_x(x, p.x + size_t(row) * p.D, lane, p.D);
     float acc[CH * 8];
@@ -448,7 +462,7 @@ cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
   if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, sizeof(uint32_t), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 2 * sizeof(uint32_t), stream);
   if (err != cudaSuccess) return err;
   const int rows_per_wave = sms * WARPS;
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;

@@ -18,7 +18,7 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
 // out bf16 [M, D] from TwELL words tw [M, ceil(H/tile) * S] (+ spill area, may be null).
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
 // in-kernel recompute of overflowing tiles without a spill copy (when null, such rows are left
-// unwritten for the caller). heavy_queue: int32 scratch of M + 1 words. 64 <= D <= 2048.
+// unwritten for the caller). heavy_queue: int32 scratch of M + 2 words. 64 <= D <= 2048.
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* heavy_queue, int M, int D,
                              int H, int tile, int S, int device, cudaStream_t stream);
