@@ -123,6 +123,20 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail):
     check_ffn(out, x, wg, wu, wd)
 
 
+# Row word sizes (n_tiles * S words) the fused kernel handles differently: a few tiles, words that
+# fill much of its drained weight ring (which holds them while the row's list is built), and words
+# larger than the ring (every row takes the CTA-per-row path).
+@pytest.mark.parametrize("M,D,H,tile,compression", [(2048, 512, 1000, 128, 4), (513, 256, 5632, 256, 2),
+                                                     (300, 128, 12800, 256, 2)])
+def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression):
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[1])
+    gate = kernels.twell_gate(x, wg, tile, compression)
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+
+
 def test_overflow_dense_and_zero_rows_are_exact():
     M, D, H = 777, 2048, 5632
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[0, 5, 400], zero_rows=[1, 2, 776])
