@@ -8,9 +8,6 @@
 namespace twell {
 
 // TwELL word: (bf16 bits << 16) | global column (see src/twell/formats/twell.py).
-__device__ __forceinline__ uint32_t pack_entry(__nv_bfloat16 v, uint32_t col) {
-  return (uint32_t(__bfloat16_as_ushort(v)) << 16) | col;
-}
 __device__ __forceinline__ float entry_value(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 __device__ __forceinline__ uint32_t entry_col(uint32_t w) { return w & 0xFFFFu; }
 

@@ -345,7 +345,9 @@ template <int CH, bool GATED, bool FULL>
 __device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, uint64_t* twbar,
                                           uint32_t& tw_phase, const Params& p, int lane) {
   const uint32_t row_bytes = uint32_t(p.n_tiles * p.S) * 4;
-  if (row_bytes > uint32_t(K * STAGE)) {  // the row's words do not fit the ring: heavy path
+  // Heavy path when the row's words do not fit the ring, or when the bulk copy cannot take them
+  // (its size must be a multiple of 16 bytes: S = 2 with an odd tile count is not).
+  if (row_bytes > uint32_t(K * STAGE) || row_bytes % 16 != 0) {
     if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
     return;
   }

@@ -27,6 +27,7 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
 
 # Wheels carried in .whl/ (scripts/gpu_wheels.sh: lm-eval and its needs, absent from the GPU image).
+# PYTHONPATH comes before site-packages: the carried datasets/dill/multiprocess replace any image copy.
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "!!! installing .whl/ failed"

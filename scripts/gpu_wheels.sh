@@ -14,7 +14,7 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl \
     lm_eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19 \
     more_itertools==11.2.1 pytablewriter==1.2.1 dataproperty==1.1.1 mbstrdecoder==1.1.5 \
     pathvalidate==3.3.1 tabledata==1.3.5 tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1 \
-    rouge-score==0.0.4 nltk==3.10.4
-# These two ship only as source: build pure-Python wheels here.
-python3 -m pip wheel -q --no-deps -w .whl sqlitedict==2.1.0 word2number==1.1
+    nltk==3.10.4
+# These ship only as source: build pure-Python wheels here.
+python3 -m pip wheel -q --no-deps -w .whl sqlitedict==2.1.0 word2number==1.1 rouge-score==0.1.2
 ls .whl && du -sh .whl
