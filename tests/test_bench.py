@@ -327,3 +327,42 @@ def test_gpu_generator_device_matches_cpu():
     a = calibrated_ffn_inputs(512, 128, 640, 8, 0.1, seed=5, device="cuda")
     b = calibrated_ffn_inputs(512, 128, 640, 8, 0.1, seed=5, device="cpu")
     assert a.x.is_cuda and torch.equal(a.x.cpu(), b.x) and torch.equal(a.w_gate.cpu(), b.w_gate)
+
+
+# -- activity statistics (twell.bench.activity) --------------------------------------------------------
+def test_union_reuse_extremes_and_a_hand_count():
+    from twell.bench.activity import union_reuse
+
+    M, H = 64, 40
+    same = torch.zeros(M, H, dtype=torch.bool)
+    same[:, [3, 7, 11]] = True  # every token uses the same 3 neurons: a block of B loads 3 rows for 3B pairs
+    assert union_reuse(same, (1, 4, 16, 64)) == {1: 1.0, 4: 4.0, 16: 16.0, 64: 64.0}
+    disjoint = torch.zeros(M, H * 2, dtype=torch.bool)
+    disjoint[torch.arange(M), torch.arange(M)] = True  # no neuron shared by two tokens
+    assert union_reuse(disjoint, (4, 64)) == {4: 1.0, 64: 1.0}
+    hand = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1], [0, 0, 0, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    # blocks of 2: {0,1,2} for 4 pairs, {3} for 2 pairs; the fifth row is left out -> 6 / 4
+    assert union_reuse(hand, (2, 8)) == {2: 1.5}
+    with pytest.raises(ValueError, match="bool"):
+        union_reuse(hand.float())
+    with pytest.raises(ValueError, match=">= 1"):
+        union_reuse(hand, (0,))
+
+
+def test_gate_activity_on_random_inputs_matches_a_direct_count():
+    from twell.bench.activity import gate_activity
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    M, D, H = int(torch.randint(40, 300, ())), 32, int(torch.randint(100, 700, ()))
+    x, w = torch.randn(M, D, generator=g), torch.randn(H, D, generator=g) - 0.3
+    stats = gate_activity(x, w, tile=64, blocks=(8, 32))
+    act = (x @ w.t()) > 0
+    assert stats["mean_active"] == pytest.approx(act.sum(1).float().mean().item())
+    assert stats["max_active"] == int(act.sum(1).max())
+    per_tile = max(int(act[:, i:i + 64].sum(1).max()) for i in range(0, H, 64))
+    assert stats["max_per_tile"] == per_tile
+    assert stats["dead_frac"] == pytest.approx((act.sum(0) == 0).float().mean().item())
+    for b in (8, 32):
+        m = M // b * b
+        unions = sum(int(act[i:i + b].any(0).sum()) for i in range(0, m, b))
+        assert stats["reuse"][b] == pytest.approx(act[:m].sum().item() / unions, abs=1e-3)

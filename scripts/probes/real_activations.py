@@ -18,33 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from twell import kernels
+from twell.bench.activity import gate_activity
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
-
-BLOCKS = (16, 64, 128, 256, 512, 1024)
-
-
-def reuse(active: torch.Tensor) -> dict:
-    """{B: active pairs / sum over blocks of |union of the block's active neurons|}."""
-    out = {}
-    for b in BLOCKS:
-        m = active.shape[0] // b * b
-        blocks = active[:m].view(-1, b, active.shape[1])
-        out[b] = round(blocks.sum().item() / max(1, blocks.any(1).sum().item()), 3)
-    return out
-
-
-def activity(x: torch.Tensor, wg: torch.Tensor) -> dict:
-    active = F.relu(F.linear(x, wg)) != 0
-    per_row = active.sum(1)
-    H = active.shape[1]
-    tiles = F.pad(active.to(torch.uint8), (0, -H % 256)).view(active.shape[0], -1, 256).sum(-1)
-    return {"mean_active": per_row.float().mean().item(), "max_active": int(per_row.max()),
-            "max_per_tile": int(tiles.max()), "dead_frac": (active.sum(0) == 0).float().mean().item(),
-            "reuse": reuse(active)}
-
 
 def timing(x, wg, wu, wd) -> dict:
     wdt = wd.t().contiguous()
@@ -91,10 +69,10 @@ def main(ckpt, val_bin, out_json, batch=64, seq=1024):
         for i, f in enumerate(ffns):
             x = torch.cat(captured[i]).contiguous()
             wg, wu, wd = f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight
-            layer = {"layer": i, **activity(x, wg)}
+            layer = {"layer": i, **gate_activity(x, wg)}
             nnz = max(1, round(layer["mean_active"]))
             syn = calibrated_ffn_inputs(x.shape[0], x.shape[1], wg.shape[0], nnz, 0.1, seed=0, device=dev)
-            layer["generator_same_nnz"] = {"nnz": nnz, **activity(syn.x, syn.w_gate)}
+            layer["generator_same_nnz"] = {"nnz": nnz, **gate_activity(syn.x, syn.w_gate)}
             if dev == "cuda":
                 layer["timing_ms"] = timing(x, wg, wu, wd)
             result["layers"].append(layer)

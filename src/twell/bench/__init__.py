@@ -1,4 +1,5 @@
 """Benchmarks of the sparse FFN (shared/BENCHMARK.md): calibrated sparsity generator, timing, energy, memory.
 
-CLI: ``python -m twell.bench ffn --help``. Modules: generator, ffn, registry, timing, energy, memory.
+CLI: ``python -m twell.bench ffn --help``. Modules: generator, ffn, registry, timing, energy, memory,
+activity.
 """
