@@ -60,8 +60,6 @@ struct Smem {
 };
 constexpr int SMEM_BYTES = sizeof(Smem) + 128;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
 // Per-warp pipeline state: a monotonic count of issued and consumed stages.
 struct Ring {
   uint8_t* buf;
@@ -90,23 +88,9 @@ __device__ __forceinline__ void ring_issue(Ring& r, const Params& p, uint32_t en
 // Shared-memory address of the next stage once its copies have landed.
 __device__ __forceinline__ uint32_t ring_wait(Ring& r) {
   const int s = r.consumed % K;
-  const uint32_t parity = (r.consumed / K) & 1;
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(&r.bar[s])), "r"(parity) : "memory");
-  }
+  mbar_wait(&r.bar[s], (r.consumed / K) & 1);
   ++r.consumed;
   return smem_u32(r.buf) + s * STAGE;
-}
-
-// 16-byte shared-memory load by address. Volatile keeps it after the mbarrier wait that made the
-// data visible (and before the next copy into the stage); a generic pointer here compiled to
-// generic 64-bit loads.
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
 }
 
 // Lane's share of a weight row read from global memory (recompute path): CH chunks of 8 bf16;
@@ -364,11 +348,7 @@ __device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, u
   RowF<CH> x;
   __syncwarp();  // converged for load_x's shuffles
   load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(twbar)), "r"(tw_phase) : "memory");
-  }
+  mbar_wait(twbar, tw_phase);
   tw_phase ^= 1;
   const int n = compact_row(list, reinterpret_cast<const uint32_t*>(ring.buf), p, lane);
   if (n < 0) {

@@ -24,6 +24,7 @@ from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
 
+
 def timing(x, wg, wu, wd) -> dict:
     wdt = wd.t().contiguous()
     dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731

@@ -83,8 +83,9 @@ class SparseFFN(nn.Module):
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
         self.last_gate = None  # the TwELL of the last sparse forward (inspect lazily: no host sync)
-        # "auto" leaves the kernels for dense above this active fraction; the kernel FFN breaks even
-        # with dense cuBLAS near 50 of 5632 neurons per token (0.9%) at M = 65536 on an H100.
+        # "auto" leaves the kernels for dense above this active fraction: the v2 kernel FFN broke even
+        # with dense cuBLAS near 50 of 5632 neurons per token (0.9%) at M = 65536 on an H100; the v5
+        # kernels are 1.06x at 64 (1.1%), so the threshold is conservative (csrc/NOTES.md).
         self.auto_max_active = 0.01
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
