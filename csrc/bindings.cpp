@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "twell_kernels.h"
@@ -20,6 +21,20 @@ void check_launch(cudaError_t err, const char* what) {
 void check_bf16_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.is_contiguous(),
               "twell: ", name, " must be a contiguous bf16 CUDA matrix");
+}
+
+// Block-union path (csrc/twell_union.cu): a block of 64 rows takes it when its union of active
+// neurons is at most this many times its entries; 0 turns it off. TWELL_UNION_RATIO overrides the
+// default (read on every call, so a benchmark can compare settings in one process). Off by default:
+// on the H100 it was slower than the per-row kernel on every input measured (csrc/NOTES.md, v6).
+constexpr float kUnionRatioDefault = 0.0f;
+float union_ratio() {
+  const char* env = std::getenv("TWELL_UNION_RATIO");
+  if (env == nullptr || *env == '\0') return kUnionRatioDefault;
+  char* end = nullptr;
+  const float v = std::strtof(env, &end);
+  TORCH_CHECK(end != env && *end == '\0' && v >= 0.f, "TWELL_UNION_RATIO must be a number >= 0, got '", env, "'");
+  return v;
 }
 
 // Words of the spill area for M rows: room for about 1% of rows fully dense (past it, tiles keep
@@ -66,18 +81,52 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
     }
   }
   at::Tensor out = at::empty({M, D}, x.options());
-  at::Tensor heavy = at::empty({M + 2}, x.options().dtype(at::kInt));  // counts + row queue
+  const float ratio = union_ratio();
+  const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), ratio));
+  at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues (+ union-path scratch)
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(twell::launch_twell_ffn(
                    x.data_ptr(), reinterpret_cast<const uint32_t*>(tw.data_ptr()),
                    spill ? reinterpret_cast<const uint32_t*>(spill->data_ptr()) : nullptr,
                    w_act ? w_act->data_ptr() : nullptr, w_up ? w_up->data_ptr() : nullptr, w_down_t.data_ptr(),
-                   out.data_ptr(), reinterpret_cast<uint32_t*>(heavy.data_ptr()), int(M), int(D), int(H), int(tile),
-                   int(S), x.get_device(), c10::cuda::getCurrentCUDAStream()),
+                   out.data_ptr(), reinterpret_cast<uint32_t*>(work.data_ptr()), int(M), int(D), int(H), int(tile),
+                   int(S), ratio, x.get_device(), c10::cuda::getCurrentCUDAStream()),
                "ffn");
   return out;
 }
 
+
+// Diagnostic: the block-union plan alone (no products). Returns (rows left to the per-row kernel,
+// union sizes |U| of the blocks that take the union path). Synchronises the device.
+std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, const c10::optional<at::Tensor>& spill,
+                                 const at::Tensor& w_up, const at::Tensor& w_down_t, int64_t tile,
+                                 int64_t compression, double ratio) {
+  check_bf16_matrix(x, "x");
+  check_bf16_matrix(w_up, "w_up");
+  check_bf16_matrix(w_down_t, "w_down_t");
+  const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
+  TORCH_CHECK(twell::union_supported(int(D), int(H), true), "twell.ffn_plan: the union path needs D % 512 == 0");
+  TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.size(0) == M &&
+                  tw.size(1) == ((H + tile - 1) / tile) * S,
+              "twell.ffn_plan: TwELL words must be uint32 [M, ceil(H/tile)*S]");
+  const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
+  at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto* base = reinterpret_cast<uint32_t*>(work.data_ptr());
+  const twell::Workspace w = twell::union_workspace(base, int(M), int(H));
+  check_launch(twell::launch_union_plan(x.data_ptr(), reinterpret_cast<const uint32_t*>(tw.data_ptr()),
+                                        spill ? reinterpret_cast<const uint32_t*>(spill->data_ptr()) : nullptr,
+                                        w_up.data_ptr(), w_down_t.data_ptr(), nullptr, w, int(M), int(D), int(H),
+                                        int((H + tile - 1) / tile), int(S), float(ratio),
+                                        c10::cuda::getCurrentCUDAStream()),
+               "ffn_plan");
+  const at::Tensor ctr = work.narrow(0, 0, 2).cpu();
+  const int64_t n_light = ctr[0].item<int64_t>(), n_union = ctr[1].item<int64_t>();
+  const int64_t nb = (M + 63) / 64;
+  const at::Tensor blocks = work.narrow(0, w.ublocks - base, n_union).to(at::kLong);
+  const at::Tensor sizes = work.narrow(0, w.usize - base, nb).index_select(0, blocks);
+  return {at::full({1}, n_light, at::kLong), sizes.cpu().to(at::kLong)};
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -87,4 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_forward", &ffn_forward, "fused sparse up/down projection from TwELL", pybind11::arg("x"),
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"));
+  m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
+  m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),
+        pybind11::arg("spill"), pybind11::arg("w_up"), pybind11::arg("w_down_t"), pybind11::arg("tile"),
+        pybind11::arg("compression"), pybind11::arg("ratio"));
 }

@@ -44,6 +44,86 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// Shared-memory matrix descriptor for wgmma with 128-byte swizzle (1024-byte aligned atoms of
+// 8 rows x 128 bytes). K-major tiles (rows of 64 bf16 along K): lbo unused, sbo = 1024 (8-row
+// groups). MN-major tiles: lbo = bytes between 64-element atoms along M/N, sbo = bytes between
+// 8-row groups along K.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo = 16, uint32_t sbo = 1024) {
+  uint64_t d = 0;
+  d |= uint64_t((addr & 0x3FFFF) >> 4);
+  d |= uint64_t((lbo >> 4) & 0x3FFF) << 16;
+  d |= uint64_t((sbo >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(1) << 62;  // swizzle mode: 128 bytes
+  return d;
+}
+__device__ __forceinline__ uint64_t smem_desc(const void* p) { return smem_desc(smem_u32(p)); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Warp-wide inclusive prefix sum.
+__device__ __forceinline__ uint32_t warp_incl_scan(uint32_t v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
+// Count word of a tile row that overflowed into the gate kernel's spill area: SPILL_BIT | offset,
+// with spill[offset] = count, then the entries.
+constexpr uint32_t SPILL_BIT = 0x80000000u;
+
+// A tile row's entries: true count, where they are, and whether they exist (false: the tile
+// overflowed without a spill copy; only its count is known).
+struct TileEntries {
+  uint32_t count;
+  const uint32_t* entries;
+  bool stored;
+};
+
+// Resolve count word w of the tile row whose words start at seg (S words: count, then slots).
+__device__ __forceinline__ TileEntries resolve_tile(uint32_t w, const uint32_t* seg, const uint32_t* spill, int S) {
+  if ((w & SPILL_BIT) && spill != nullptr) {
+    const uint32_t* sp = spill + (w & ~SPILL_BIT);
+    return {__ldg(sp), sp + 1, true};
+  }
+  return {w, seg + 1, w <= uint32_t(S - 1)};
+}
+
+// One row's entries, tile after tile, copied to dst by the whole warp (lane t resolves tiles
+// t, t + 32, ...). words: the row's n_tiles * S TwELL words (global or shared memory). Returns the
+// number of entries, or -1 when there are more than cap or a tile overflowed without a spill copy.
+__device__ __forceinline__ int row_entries(uint32_t* dst, const uint32_t* words, const uint32_t* spill, int n_tiles,
+                                           int S, int cap, int lane) {
+  int n = 0;
+  for (int tb = 0; tb < n_tiles; tb += 32) {
+    const int t = tb + lane;
+    TileEntries te{0u, nullptr, true};
+    if (t < n_tiles) te = resolve_tile(words[t * S], words + t * S, spill, S);
+    if (__any_sync(0xffffffffu, !te.stored)) return -1;
+    const uint32_t incl = warp_incl_scan(te.count, lane);
+    const int total = int(__shfl_sync(0xffffffffu, incl, 31));
+    if (n + total > cap) return -1;
+    uint32_t* d = dst + n + (incl - te.count);
+    for (uint32_t j = 0; j < te.count; ++j) d[j] = te.entries[j];  // shared memory or the (rare) spill area
+    n += total;
+  }
+  __syncwarp();  // the entries written by the other lanes are visible to the whole warp
+  return n;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

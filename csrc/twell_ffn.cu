@@ -37,7 +37,9 @@ constexpr int WARPS = 8;          // warps per CTA (both kernels)
 constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
 constexpr int LIST_CAP = 256;     // entries per warp list; rows with more are heavy
-constexpr uint32_t SPILL_BIT = 0x80000000u;
+
+// Words of the heavy-row queue ([0] count, [1] next light row, then rows), 16-byte aligned.
+inline size_t heavy_words(int M) { return (size_t(M) + 2 + 3) & ~size_t(3); }
 
 struct Params {
   const __nv_bfloat16* x;
@@ -49,6 +51,8 @@ struct Params {
   __nv_bfloat16* out;
   uint32_t* heavy;                // [0] heavy-row count, [1] next light row (both zeroed before the
                                   // light kernel), [2..] heavy rows
+  const uint32_t* light_rows;     // rows for the light kernel (null: all rows)
+  const uint32_t* n_light;        // their number (device)
   int M, D, H, n_tiles, T, S;
 };
 
@@ -233,62 +237,9 @@ __device__ void recompute_tile(float (&acc)[CH * 8], const RowF<CH>& x, int t, c
   }
 }
 
-// Count word of (row, tile) resolved: true count, where its entries are, and whether they exist.
-struct TileInfo {
-  uint32_t count;
-  const uint32_t* entries;  // first entry
-  bool stored;              // false: overflow without spill copy (recompute)
-};
-
-__device__ __forceinline__ TileInfo tile_info(const Params& p, int row, int t) {
+__device__ __forceinline__ TileEntries tile_info(const Params& p, int row, int t) {
   const uint32_t* seg = p.tw + (size_t(row) * p.n_tiles + t) * p.S;
-  const uint32_t w = __ldg(seg);
-  if ((w & SPILL_BIT) && p.spill != nullptr) {
-    const uint32_t* sp = p.spill + (w & ~SPILL_BIT);
-    return {__ldg(sp), sp + 1, true};
-  }
-  return {w, seg + 1, w <= uint32_t(p.S - 1)};
-}
-
-// Build a light row's entry list in shared memory from its TwELL words, which the caller has
-// bulk-copied to `words` (n_tiles * S words). Lane t handles tiles t, t + 32, ... Returns the
-// number of entries, or -1 if the row is heavy: more than LIST_CAP entries, or a tile that
-// overflowed without a spill copy (both go to the heavy kernel).
-__device__ int compact_row(uint32_t* list, const uint32_t* words, const Params& p, int lane) {
-  int n = 0;
-  for (int tb = 0; tb < p.n_tiles; tb += 32) {
-    const int t = tb + lane;
-    uint32_t cnt = 0;
-    const uint32_t* src = nullptr;
-    bool stored = true;
-    if (t < p.n_tiles) {
-      const uint32_t w = words[t * p.S];
-      if ((w & SPILL_BIT) && p.spill != nullptr) {
-        src = p.spill + (w & ~SPILL_BIT);
-        cnt = __ldg(src);
-        ++src;
-      } else if (w <= uint32_t(p.S - 1)) {
-        cnt = w;
-        src = words + t * p.S + 1;
-      } else {
-        stored = false;
-      }
-    }
-    if (__any_sync(0xffffffffu, !stored)) return -1;
-    uint32_t incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    const int total = int(__shfl_sync(0xffffffffu, incl, 31));
-    if (n + total > LIST_CAP) return -1;
-    uint32_t* dst = list + n + (incl - cnt);
-    for (uint32_t j = 0; j < cnt; ++j) dst[j] = src[j];  // shared memory, or the (rare) spill area
-    n += total;
-  }
-  __syncwarp();
-  return n;
+  return resolve_tile(__ldg(seg), seg, p.spill, p.S);
 }
 
 template <int CH>
@@ -350,7 +301,9 @@ __device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, u
   load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
   mbar_wait(twbar, tw_phase);
   tw_phase ^= 1;
-  const int n = compact_row(list, reinterpret_cast<const uint32_t*>(ring.buf), p, lane);
+  // Entry list from the row's words (more than LIST_CAP entries, or an overflow without a spill
+  // copy: -1, the row is heavy).
+  const int n = row_entries(list, reinterpret_cast<const uint32_t*>(ring.buf), p.spill, p.n_tiles, p.S, LIST_CAP, lane);
   if (n < 0) {
     if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
     return;
@@ -374,12 +327,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   uint64_t* twbar = &sm.twbar[warp];
   uint32_t tw_phase = 0;
   uint32_t* next_row = p.heavy + 1;
-  uint32_t row = lane == 0 ? atomicAdd(next_row, 1u) : 0u;
-  row = __shfl_sync(0xffffffffu, row, 0);
-  while (row < uint32_t(p.M)) {
+  const uint32_t n_rows = p.light_rows ? *reinterpret_cast<const volatile uint32_t*>(p.n_light) : uint32_t(p.M);
+  uint32_t idx = lane == 0 ? atomicAdd(next_row, 1u) : 0u;
+  idx = __shfl_sync(0xffffffffu, idx, 0);
+  while (idx < n_rows) {
     const uint32_t next = lane == 0 ? atomicAdd(next_row, 1u) : 0u;  // latency hidden by this row
+    const uint32_t row = p.light_rows ? p.light_rows[idx] : idx;
     light_row<CH, GATED, FULL>(int(row), ring, list, twbar, tw_phase, p, lane);
-    row = __shfl_sync(0xffffffffu, next, 0);
+    idx = __shfl_sync(0xffffffffu, next, 0);
   }
 }
 
@@ -400,7 +355,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
     for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
     bool complete = true;
     for (int t = warp; t < p.n_tiles; t += WARPS) {
-      const TileInfo ti = tile_info(p, row, t);
+      const TileEntries ti = tile_info(p, row, t);
       if (!ti.stored) {
         if (p.w_act != nullptr) recompute_tile<CH, GATED>(acc, x, t, p, lane);
         else complete = false;
@@ -436,7 +391,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
 }
 
 template <int CH, bool FULL>
-cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
+cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, int device, cudaStream_t stream) {
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
   auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
@@ -445,11 +400,16 @@ cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 2 * sizeof(uint32_t), stream);
+  if (err == cudaSuccess && uw != nullptr)
+    err = launch_union_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S,
+                            ratio, stream);
   if (err != cudaSuccess) return err;
   const int rows_per_wave = sms * WARPS;
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
   light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
   err = cudaGetLastError();
+  if (err == cudaSuccess && uw != nullptr)
+    err = launch_union_mma(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S, stream);
   if (err != cudaSuccess) return err;
   heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
@@ -458,10 +418,12 @@ cudaError_t launch_ch(const Params& p, int device, cudaStream_t stream) {
 }  // namespace ffn
 
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
-                             const void* w_up, const void* w_down_t, void* out, uint32_t* heavy_queue, int M, int D,
-                             int H, int tile, int S, int device, cudaStream_t stream) {
+                             const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
+                             int H, int tile, int S, float union_ratio, int device, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
+  const bool use_union = union_ratio > 0.f && union_supported(D, H, w_up != nullptr);
+  const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
   ffn::Params p{static_cast<const __nv_bfloat16*>(x),
                 tw,
                 spill,
@@ -469,26 +431,34 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 static_cast<const __nv_bfloat16*>(w_up),
                 static_cast<const __nv_bfloat16*>(w_down_t),
                 static_cast<__nv_bfloat16*>(out),
-                heavy_queue,
+                workspace,
+                use_union ? uw.light_rows : nullptr,
+                use_union ? uw.ctr : nullptr,
                 M,
                 D,
                 H,
                 (H + tile - 1) / tile,
                 tile,
                 S};
+  const Workspace* u = use_union ? &uw : nullptr;
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, device, stream);
-    case 2: return ffn::launch_ch<2, false>(p, device, stream);
-    case 4: return ffn::launch_ch<4, false>(p, device, stream);
-    case 8: return ffn::launch_ch<8, false>(p, device, stream);
-    case -1: return ffn::launch_ch<1, true>(p, device, stream);
-    case -2: return ffn::launch_ch<2, true>(p, device, stream);
-    case -4: return ffn::launch_ch<4, true>(p, device, stream);
-    default: return ffn::launch_ch<8, true>(p, device, stream);
+    case 1: return ffn::launch_ch<1, false>(p, u, union_ratio, device, stream);
+    case 2: return ffn::launch_ch<2, false>(p, u, union_ratio, device, stream);
+    case 4: return ffn::launch_ch<4, false>(p, u, union_ratio, device, stream);
+    case 8: return ffn::launch_ch<8, false>(p, u, union_ratio, device, stream);
+    case -1: return ffn::launch_ch<1, true>(p, u, union_ratio, device, stream);
+    case -2: return ffn::launch_ch<2, true>(p, u, union_ratio, device, stream);
+    case -4: return ffn::launch_ch<4, true>(p, u, union_ratio, device, stream);
+    default: return ffn::launch_ch<8, true>(p, u, union_ratio, device, stream);
   }
+}
+
+size_t ffn_workspace_words(int M, int D, int H, bool gated, float union_ratio) {
+  const bool use_union = union_ratio > 0.f && union_supported(D, H, gated);
+  return ffn::heavy_words(M) + (use_union ? union_workspace_words(M, H) : 0);
 }
 
 }  // namespace twell

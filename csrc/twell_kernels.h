@@ -18,10 +18,33 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
 // out bf16 [M, D] from TwELL words tw [M, ceil(H/tile) * S] (+ spill area, may be null).
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
 // in-kernel recompute of overflowing tiles without a spill copy (when null, such rows are left
-// unwritten for the caller). heavy_queue: int32 scratch of M + 2 words. 64 <= D <= 2048.
+// unwritten for the caller). workspace: ffn_workspace_words(...) uint32 words. 64 <= D <= 2048.
+// union_ratio > 0 enables the block-union tensor-core path (twell_union.cu) where it applies: a block
+// of 64 rows takes it when its union of active neurons is at most union_ratio x its entries.
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
-                             const void* w_up, const void* w_down_t, void* out, uint32_t* heavy_queue, int M, int D,
-                             int H, int tile, int S, int device, cudaStream_t stream);
+                             const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
+                             int H, int tile, int S, float union_ratio, int device, cudaStream_t stream);
+size_t ffn_workspace_words(int M, int D, int H, bool gated, float union_ratio);
+
+// Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
+struct Workspace {
+  uint32_t* ctr;         // [0] rows queued for the per-row kernel, [1] blocks on the union path
+  uint32_t* light_rows;  // [M] rows queued for the per-row kernel
+  uint32_t* ublocks;     // union-path blocks, in claim order
+  uint32_t* usize;       // per block: |U|
+  uint32_t* rowcnt;      // per block row: entries, or 0xFFFFFFFF when another kernel computes the row
+  uint16_t* ulist;       // per block: U (sorted neuron ids), H slots
+  uint32_t* ent;         // per row: ROW_CAP entries (bf16 value << 16 | rank in U)
+};
+bool union_supported(int D, int H, bool gated);
+size_t union_workspace_words(int M, int H);
+Workspace union_workspace(uint32_t* base, int M, int H);
+cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
+                              int S, float ratio, cudaStream_t stream);
+cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                             const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
+                             int S, cudaStream_t stream);
 
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
 const char* last_error();

@@ -35,8 +35,9 @@ def poison_allocator(shape, dtype):
     return ptr
 
 
-def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), zero_rows=()):
-    """BENCHMARK.md-style inputs: per-row scale exp(tail * N(0,1)), column 0 = 1 carries the offset."""
+def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), zero_rows=(), dead=0.0):
+    """BENCHMARK.md-style inputs: per-row scale exp(tail * N(0,1)), column 0 = 1 carries the offset.
+    ``dead``: fraction of neurons that never fire (as in trained models), the others share ``nnz``."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     x = torch.randn(M, D, generator=g) * torch.exp(tail * torch.randn(M, 1, generator=g))
     x[:, 0] = 1
@@ -44,8 +45,10 @@ def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), z
     o = 0.3 * torch.randn(H, generator=g)
     if offset is None:  # target nnz: threshold of a standard normal score
         from statistics import NormalDist
-        offset = -NormalDist().inv_cdf(min(0.999, nnz / H)) if nnz else 0.0
+        offset = -NormalDist().inv_cdf(min(0.999, nnz / (H * (1 - dead)))) if nnz else 0.0
     w_gate[:, 0] = -(offset + o)
+    if dead:
+        w_gate[torch.randperm(H, generator=g)[:int(dead * H)], 0] = -1e4
     for r in dense_rows:
         x[r, 1:] *= 50.0  # every neuron crosses the threshold on a good share of these rows
         x[r, 0] = 1.0
@@ -55,6 +58,14 @@ def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), z
     w_up = torch.randn(H, D, generator=g) / math.sqrt(D)
     w_down = torch.randn(D, H, generator=g) / math.sqrt(H)
     return [t.to(torch.bfloat16).cuda() for t in (x, w_gate, w_up, w_down)]
+
+
+@pytest.fixture(params=["0", "1", "1e9"], ids=["per-row", "union-auto", "union-always"])
+def union_ratio(request, monkeypatch):
+    """Run a test with the block-union path off, at its default rule, and wherever it applies
+    (csrc/twell_union.cu: gated, D a multiple of 512); the C++ side reads the variable per call."""
+    monkeypatch.setenv("TWELL_UNION_RATIO", request.param)
+    return float(request.param)
 
 
 def module_with(wg, wu, wd):
@@ -113,7 +124,7 @@ def test_gate_kernel_matches_reference(M, D, H, tile, compression):
 
 @pytest.mark.parametrize("M,D,H", SHAPES)
 @pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)])
-def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail):
+def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, union_ratio):
     x, wg, wu, wd = inputs(M, D, H, nnz=min(nnz, H // 2), tail=tail)
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
@@ -129,7 +140,7 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail):
 # which a bulk copy cannot move (CTA-per-row path too; one slot per tile, so most tiles spill).
 @pytest.mark.parametrize("M,D,H,tile,compression", [(2048, 512, 1000, 128, 4), (513, 256, 5632, 256, 2),
                                                      (300, 128, 12800, 256, 2), (2100, 256, 300, 64, 32)])
-def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression):
+def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression, union_ratio):
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[1])
     gate = kernels.twell_gate(x, wg, tile, compression)
     ptr = poison_allocator((M, D), torch.bfloat16)
@@ -138,7 +149,7 @@ def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression):
     check_ffn(out, x, wg, wu, wd)
 
 
-def test_overflow_dense_and_zero_rows_are_exact():
+def test_overflow_dense_and_zero_rows_are_exact(union_ratio):
     M, D, H = 777, 2048, 5632
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[0, 5, 400], zero_rows=[1, 2, 776])
     gate = kernels.twell_gate(x, wg)
@@ -163,7 +174,7 @@ def test_overflow_dense_and_zero_rows_are_exact():
     check_ffn(kernels.sparse_gated_ffn(xd, wgd, wud, wdd.t().contiguous()), xd, wgd, wud, wdd)
 
 
-def test_overflow_without_spill_is_recomputed_in_kernel():
+def test_overflow_without_spill_is_recomputed_in_kernel(union_ratio):
     """A TwELL whose overflowing tiles are neither spilled nor backed up densely, but which knows
     (x, w_gate): the fused kernel recomputes those tiles neuron by neuron."""
     from twell.formats import TwELL
@@ -179,12 +190,71 @@ def test_overflow_without_spill_is_recomputed_in_kernel():
     check_ffn(out, x, wg, wu, wd)
 
 
-def test_reference_packed_twell_uses_its_dense_backup():
+def test_reference_packed_twell_uses_its_dense_backup(union_ratio):
     x, wg, wu, wd = inputs(500, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9])
     gate = pack_twell(F.relu(F.linear(x, wg)))  # no source: overflow rows come from the backup
     assert gate.source is None and gate.n_overflow_rows >= 2
     out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
     check_ffn(out, x, wg, wu, wd)
+
+
+@pytest.mark.parametrize("M,D,H,tile,compression", [(4097, 2048, 5632, 256, 8), (1000, 512, 1000, 128, 4),
+                                                     (63, 1024, 5632, 256, 8)])
+def test_union_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
+    """Inputs with 80% dead neurons (as trained models have): blocks of 64 rows share active neurons,
+    so most take the block-union path at TWELL_UNION_RATIO = 1; heavy, dense and all-zero rows mixed in
+    go to the per-row kernels. Output poisoned, compared with fp64 like every kernel."""
+    monkeypatch.setenv("TWELL_UNION_RATIO", "1")
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dead=0.8, dense_rows=[0, M // 2], zero_rows=[1, M - 1])
+    wdt = wd.t().contiguous()
+    gate = kernels.twell_gate(x, wg, tile, compression)
+    plan = kernels.union_plan(x, gate, wu, wdt)
+    n_blocks = -(-M // 64)
+    assert plan["union_blocks"] >= 0.8 * n_blocks, plan
+    # (a block whose only row is all-zero has an empty union: M - 1 is a zero row)
+    assert plan["union_sizes"].ge(0).all() and plan["union_sizes"].le(H).all()
+    assert plan["union_sizes"].float().mean() > 29
+    # rows with more than 128 entries (the union path's row capacity) go to the per-row kernels
+    assert plan["per_row_rows"] >= int(gate.nnz_per_row().gt(128).sum())
+    assert kernels.union_plan(x, gate, wu, wdt, ratio=0.0)["union_blocks"] == 0
+    assert kernels.union_plan(x, gate, wu, wdt, ratio=0.0)["per_row_rows"] == M
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
+    per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    # Both paths round h to bf16 at different points (union: u to bf16 first, like dense bf16).
+    assert rel(out, per_row.double()) < 1e-2
+
+
+def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
+    """TwELL words need not list a tile's entries in column order; the union path walks them by rank."""
+    from twell.formats import TwELL
+
+    M, D, H = 500, 512, 1000
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.1, dead=0.8)
+    ref_gate = pack_twell(F.relu(F.linear(x, wg)))
+    assert ref_gate.n_overflow_rows == 0
+    S = ref_gate.tile // ref_gate.compression
+    words = ref_gate.packed.view(torch.int32).view(M, -1, S)  # same bits; few uint32 kernels exist
+    c = words[..., :1].long()
+    j = torch.arange(S, device=words.device)
+    src = torch.where((j >= 1) & (j <= c), c + 1 - j, j)  # each tile's entries reversed
+    packed = torch.gather(words, 2, src).reshape(M, -1)
+    assert not torch.equal(packed, ref_gate.packed.view(torch.int32))
+    gate = TwELL(packed.view(torch.uint32), None, None, H, source=(x, wg))
+    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
+    assert kernels.union_plan(x, gate, wu, wd.t().contiguous())["union_blocks"] == -(-M // 64)
+    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
+
+
+def test_union_ratio_setting_is_checked(monkeypatch):
+    x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
+    gate = kernels.twell_gate(x, wg)
+    monkeypatch.setenv("TWELL_UNION_RATIO", "fast")
+    with pytest.raises(RuntimeError, match="TWELL_UNION_RATIO"):
+        kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
 
 
 @pytest.mark.parametrize("M,D,H", [(100, 256, 300), (4096, 2048, 5632)])

@@ -7,10 +7,13 @@ For each SparseFFN layer, on batch x seq validation tokens in sequence order:
   active neurons): how much a kernel that loads each weight row once per block would save. The same
   numbers for the calibrated generator at the layer's mean nnz (tail 0.1) come beside them;
 - BENCHMARK.md timing on these inputs: dense PyTorch FFN, the gate GEMM alone (cuBLAS), the TwELL
-  gate kernel, the fused kernel, the whole sparse FFN; relative error against an fp32 FFN.
+  gate kernel, the fused kernel, the whole sparse FFN; relative error against an fp32 FFN. Where
+  D % 512 == 0, also the fused kernel with the block-union path (csrc/twell_union.cu) always on and at
+  TWELL_UNION_RATIO 0.5 / 0.35, and how many blocks each setting sends there.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/real_activations.py CKPT_DIR VAL_BIN OUT_JSON [batch] [seq]
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -33,9 +36,20 @@ def timing(x, wg, wu, wd) -> dict:
     def sparse():
         return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt)
 
-    t = time_alternating({"dense": dense, "sparse": sparse, "cublas_gate": lambda: F.linear(x, wg),
-                          "twell_gate": lambda: kernels.twell_gate(x, wg),
-                          "fused": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt)}, "cuda", reps=30)
+    def ratio(r, fn):  # the fused kernel with the block-union path at TWELL_UNION_RATIO = r (0: off)
+        def call():
+            os.environ["TWELL_UNION_RATIO"] = str(r)
+            return fn()
+        return call
+
+    fused = lambda: kernels.twell_gated_ffn(x, gate, wu, wdt)  # noqa: E731
+    fns = {"dense": dense, "sparse": ratio(0, sparse), "cublas_gate": lambda: F.linear(x, wg),
+           "twell_gate": lambda: kernels.twell_gate(x, wg), "fused": ratio(0, fused)}
+    union = x.shape[1] % 512 == 0
+    if union:
+        fns.update({"sparse_union": ratio(1e9, sparse), "fused_union": ratio(1e9, fused),
+                    "fused_union_0.5": ratio(0.5, fused), "fused_union_0.35": ratio(0.35, fused)})
+    t = time_alternating(fns, "cuda", reps=30)
     xf = x.float()
     ref = F.linear(F.relu(F.linear(xf, wg.float())) * F.linear(xf, wu.float()), wd.float())
     err = lambda out: ((out.float() - ref).norm() / ref.norm()).item()  # noqa: E731
@@ -43,6 +57,15 @@ def timing(x, wg, wu, wd) -> dict:
     res.update(speedup=round(t["dense"].median_ms / t["sparse"].median_ms, 3), rel_err_sparse=err(sparse()),
                rel_err_dense=err(dense()), overflow_rows=int(gate.n_overflow_rows),
                spilled_tiles=int(getattr(gate, "n_spilled_tiles", 0)))
+    if union:
+        res["rel_err_sparse_union"] = err(ratio(1e9, sparse)())
+        res["speedup_union"] = round(t["dense"].median_ms / t["sparse_union"].median_ms, 3)
+        for r in (1e9, 0.5, 0.35):
+            plan = kernels.union_plan(x, gate, wu, wdt, ratio=r)
+            sz = plan["union_sizes"].float()
+            res[f"union_plan_{r:g}"] = {"blocks": plan["union_blocks"], "per_row_rows": plan["per_row_rows"],
+                                        "mean_union": round(sz.mean().item(), 1) if sz.numel() else 0}
+    os.environ.pop("TWELL_UNION_RATIO", None)
     return res
 
 

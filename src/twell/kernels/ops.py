@@ -113,3 +113,20 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel."""
     return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
 
+
+
+def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Optional[float] = None) -> dict:
+    """Which rows the fused kernel would give to the block-union path (csrc/twell_union.cu).
+
+    Blocks of 64 rows take it when their union of active neurons is at most ``ratio`` times their
+    entries (default: ``$TWELL_UNION_RATIO``, else 0: the path is off unless asked for). Returns ``union_blocks``,
+    ``union_sizes`` (|U| of each, CPU int64) and ``per_row_rows`` (rows left to the per-row kernel).
+    Synchronises the device: a diagnostic, not part of the timed path.
+    """
+    check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
+    _kernel_checks(x)
+    if ratio is None:
+        ratio = load().union_ratio()
+    n_light, sizes = load().ffn_plan(x, gate.packed, gate.spill, w_up, w_down_t, gate.tile, gate.compression,
+                                     float(ratio))
+    return {"union_blocks": int(sizes.numel()), "union_sizes": sizes, "per_row_rows": int(n_light.item())}

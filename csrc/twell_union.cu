@@ -1,0 +1,501 @@
+// Block-union fused up/down projection on tensor cores (v6), gated FFN, inference.
+//
+// The per-row kernel (twell_ffn.cu) reads two 4 KB weight rows from L2 per (token, active neuron):
+// it sits at the L2 gather ceiling (~7.5 TB/s). Tokens of a block share active neurons (trained
+// models: 64 consecutive tokens need 2.3-4x fewer distinct rows than their tokens one by one), so
+// here each weight row is read once per block of UB = 64 tokens, and the products run on the tensor
+// cores over the block's union U of active neurons:
+//   plan:  per block, the union U (sorted neuron ids) and each row's entries as (gate, rank in U);
+//          blocks whose union is not smaller than ratio * (their entries) go to the per-row kernel
+//          (so do rows with more than ROW_CAP entries and rows with an unresolved overflow);
+//   up:    u = x_block @ w_up[U]^T (64 x |U|, K = D) with wgmma; the weight rows of U are gathered
+//          into the 128-byte-swizzled layout with cp.async; the epilogue keeps u only where a
+//          token is active: h = bf16(gate * bf16(u)), written over the entry's gate value;
+//   down:  out_block = h @ w_down_t[U] (K = |U|, N = D in 512-column items); h is scattered into
+//          a dense 64 x 64 tile per K step, the w_down_t rows of U are gathered (MN-major operand).
+// Rounding as in the dense bf16 FFN: u and h are rounded to bf16, all sums in fp32.
+#include "common.cuh"
+#include "twell_kernels.h"
+#include "wgmma_m64n256.cuh"
+
+namespace twell {
+namespace uni {
+
+constexpr int UB = 64;                      // tokens per block (wgmma M)
+constexpr int ROW_CAP = 128;                // entries per row on this path
+constexpr int BK = 64;                      // K per up stage: 64 bf16 = one 128-byte swizzle row
+constexpr int NW = 256;                     // columns per consumer warpgroup (wgmma N)
+constexpr int A_BYTES = UB * BK * 2;        // 8 KB: A tile (128-byte rows)
+constexpr int UP_B_BYTES = 2 * NW * BK * 2; // 64 KB: one 32 KB operand per consumer warpgroup
+constexpr int UP_STAGE = A_BYTES + UP_B_BYTES;
+constexpr int UP_STAGES = 3;
+constexpr int DK = 32;                      // K (union rows) per down stage: more, smaller stages
+constexpr int DN_B_BYTES = DK * 2 * NW * 2; // 32 KB: 32 rows x 512 columns
+constexpr int DN_STAGE = A_BYTES + DN_B_BYTES;  // A keeps the 128-byte row layout, half used
+constexpr int DN_STAGES = 4;
+constexpr int DCHUNK = 2 * NW;              // output columns per down item
+constexpr int MAX_SLOT = 8192;              // union ids held in shared memory by the down kernel
+constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;  // rowcnt of a row that another kernel computes
+
+// Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
+__host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
+
+constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 2 * NW * 4 + 1024 + 64;
+constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 2 + 1024 + 64;
+
+struct Params {
+  const __nv_bfloat16* x;
+  const uint32_t* tw;
+  const uint32_t* spill;  // may be null
+  const __nv_bfloat16* w_up;
+  const __nv_bfloat16* w_down_t;
+  __nv_bfloat16* out;
+  Workspace w;
+  int M, D, H, n_tiles, S, n_blocks;
+  float ratio;
+};
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// The barrier receives one arrival from this thread once all its earlier cp.async have landed.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Move registers from the producer warpgroup (address arithmetic only) to the two consumer
+// warpgroups (128 accumulators each): 56 + 2 x 224 per thread fits the 64K-register file.
+__device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
+__device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 224;"); }
+
+// Barrier of one consumer warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void wg_sync(int g) {
+  if (g == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
+  else asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
+__device__ __forceinline__ uint8_t* aligned_smem() {
+  extern __shared__ uint8_t raw[];
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+
+// ---------------------------------------------------------------------------------------------
+// plan: one CTA (8 warps) per block of UB rows.
+__global__ void __launch_bounds__(256) plan_kernel(const Params p) {
+  __shared__ uint32_t bits[2048];  // union bitmap (H <= 65536)
+  __shared__ uint32_t pre[2048];   // union rank of each bitmap word's first bit
+  __shared__ uint32_t cnt_s[UB];
+  __shared__ uint32_t warp_tot[8];
+  const int b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int nwords = (p.H + 31) / 32;
+  for (int i = threadIdx.x; i < nwords; i += blockDim.x) bits[i] = 0;
+  __syncthreads();
+
+  for (int rr = warp; rr < UB; rr += 8) {
+    const int row = b * UB + rr;
+    uint32_t n_row = NOT_HERE;
+    if (row < p.M) {
+      uint32_t* ent = p.w.ent + size_t(row) * ROW_CAP;
+      const int n = row_entries(ent, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, ROW_CAP, lane);
+      if (n >= 0) {
+        for (int i = lane; i < n; i += 32) {
+          const uint32_t c = entry_col(ent[i]);
+          atomicOr(&bits[c >> 5], 1u << (c & 31));
+        }
+        n_row = uint32_t(n);
+      }
+    }
+    if (lane == 0) cnt_s[rr] = n_row;
+  }
+  __syncthreads();
+
+  // Exclusive prefix of the bitmap's popcounts: thread t owns words [t*per, (t+1)*per).
+  const int per = (nwords + blockDim.x - 1) / blockDim.x;
+  const int w0 = threadIdx.x * per, w1 = min(nwords, w0 + per);
+  uint32_t mine = 0;
+  for (int i = w0; i < w1; ++i) mine += __popc(bits[i]);
+  const uint32_t incl = warp_incl_scan(mine, lane);
+  if (lane == 31) warp_tot[warp] = incl;
+  __syncthreads();
+  uint32_t before = 0, n_union = 0;
+  for (int w = 0; w < 8; ++w) {
+    if (w < warp) before += warp_tot[w];
+    n_union += warp_tot[w];
+  }
+  uint32_t run = before + incl - mine;
+  for (int i = w0; i < w1; ++i) {
+    pre[i] = run;
+    run += __popc(bits[i]);
+  }
+  uint32_t entries = 0;
+  bool any = false;
+  for (int rr = 0; rr < UB; ++rr) {
+    if (cnt_s[rr] != NOT_HERE) { entries += cnt_s[rr]; any = true; }
+  }
+  __syncthreads();
+
+  const bool use = any && p.ratio > 0.f && float(n_union) <= p.ratio * float(entries);
+  if (!use) {
+    // Every row of the block goes to the per-row kernel.
+    for (int rr = threadIdx.x; rr < UB; rr += blockDim.x) {
+      const int row = b * UB + rr;
+      if (row < p.M) p.w.light_rows[atomicAdd(&p.w.ctr[0], 1u)] = uint32_t(row);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    p.w.ublocks[atomicAdd(&p.w.ctr[1], 1u)] = uint32_t(b);
+    p.w.usize[b] = n_union;
+  }
+  uint16_t* U = p.w.ulist + size_t(b) * ulist_slot(p.H);
+  for (int i = threadIdx.x; i < nwords; i += blockDim.x) {
+    uint32_t m = bits[i], r = pre[i];
+    while (m) {
+      U[r++] = uint16_t(32 * i + __ffs(m) - 1);
+      m &= m - 1;
+    }
+  }
+  for (int rr = warp; rr < UB; rr += 8) {
+    const int row = b * UB + rr;
+    const uint32_t n = cnt_s[rr];
+    if (lane == 0) p.w.rowcnt[size_t(b) * UB + rr] = n;
+    if (n == NOT_HERE) {
+      if (lane == 0 && row < p.M) p.w.light_rows[atomicAdd(&p.w.ctr[0], 1u)] = uint32_t(row);
+      continue;
+    }
+    uint32_t* ent = p.w.ent + size_t(row) * ROW_CAP;
+    for (uint32_t i = lane; i < n; i += 32) {  // this lane wrote or read ent[i] above: same warp
+      const uint32_t e = ent[i], c = entry_col(e);
+      const uint32_t rank = pre[c >> 5] + __popc(bits[c >> 5] & ((1u << (c & 31)) - 1u));
+      ent[i] = (e & 0xFFFF0000u) | rank;
+    }
+    // The down kernel walks each row's entries in rank order. TwELL words from the gate kernel or
+    // pack_twell are in column order already (so ranks ascend); any other order is sorted here.
+    __syncwarp();
+    bool unsorted = false;
+    for (uint32_t i = lane; i + 1 < n; i += 32) unsorted |= (ent[i] & 0xFFFFu) > (ent[i + 1] & 0xFFFFu);
+    if (__any_sync(0xffffffffu, unsorted) && lane == 0) {
+      for (uint32_t i = 1; i < n; ++i) {  // insertion sort by rank: rare, at most ROW_CAP entries
+        const uint32_t e = ent[i];
+        uint32_t j = i;
+        for (; j > 0 && (ent[j - 1] & 0xFFFFu) > (e & 0xFFFFu); --j) ent[j] = ent[j - 1];
+        ent[j] = e;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// up and down share the pipeline: warpgroup 0 (128 threads) gathers operands with cp.async into a
+// ring of stages, warpgroups 1 and 2 each run wgmma m64n256k16 on their own 256 columns.
+
+// Consumer side of one K loop over `steps` stages of KS k16-steps each; returns with all MMAs done.
+template <int TB, int KS, int NST, int STAGE, int B_OFF, class DescB>
+__device__ __forceinline__ void mma_loop(float (&acc)[128], int steps, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                         int& stage, uint32_t& phase, int g, int lane, DescB desc_b) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  int prev = -1;
+  for (int kb = 0; kb < steps; ++kb) {
+    mbar_wait(&full[stage], phase);
+    fence_async_smem();  // cp.async and st.shared data (generic proxy) read by wgmma (async proxy)
+    const uint32_t a = smem_u32(smem + stage * STAGE);
+    const uint32_t bb = a + A_BYTES + g * B_OFF;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < KS; ++k) wgmma_m64n256k16_bf16<TB>(acc, smem_desc(a + 32 * k), desc_b(bb, k), 1);
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+    prev = stage;
+    if (++stage == NST) { stage = 0; phase ^= 1; }
+  }
+  wgmma_wait<0>();
+  if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+}
+
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, uint32_t full_count) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], full_count);
+      mbar_init(&empty[s], 8);  // lane 0 of each consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// Offset of 16-byte chunk `ch` of 128-byte row `r` in a 128B-swizzled tile.
+__device__ __forceinline__ uint32_t swz(int r, int ch) { return uint32_t(r * 128 + ((ch ^ (r & 7)) << 4)); }
+
+__global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
+  if (blockIdx.x >= *reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) return;
+  uint8_t* smem = aligned_smem();
+  int* nrow = reinterpret_cast<int*>(smem + UP_STAGES * UP_STAGE);  // [2 * NW] neuron of each B row
+  uint64_t* full = reinterpret_cast<uint64_t*>(nrow + 2 * NW);
+  uint64_t* empty = full + UP_STAGES;
+  init_ring(full, empty, UP_STAGES, 128);
+
+  const int b = int(p.w.ublocks[blockIdx.x]);
+  const int n_union = int(p.w.usize[b]);
+  const uint16_t* U = p.w.ulist + size_t(b) * ulist_slot(p.H);
+  const int r0 = b * UB;
+  const int passes = (n_union + 2 * NW - 1) / (2 * NW);
+  const int steps = p.D / BK;
+  const int wg = threadIdx.x / 128;
+  int stage = 0;
+
+  if (wg == 0) {
+    reg_dealloc();
+    const int t = threadIdx.x;
+    uint32_t phase = 1;  // a fresh barrier counts as released once
+    for (int pass = 0; pass < passes; ++pass) {
+      // This thread copies chunk t % 8 of B rows t / 8 + 16 m (m < 32): union columns of the pass.
+      // Their neuron ids sit in shared memory (registers would spill); each thread reads back
+      // only slots it wrote itself, so no barrier is needed.
+#pragma unroll
+      for (int m0 = 0; m0 < 32; m0 += 8) {
+        int v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {  // loads first, then the stores: 8 loads in flight
+          const int j = pass * 2 * NW + t / 8 + 16 * (m0 + m);
+          v[m] = j < n_union ? int(__ldg(U + j)) : -1;
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) nrow[t / 8 + 16 * (m0 + m)] = v[m];
+      }
+      const int ch = t % 8;
+      for (int kb = 0; kb < steps; ++kb) {
+        mbar_wait(&empty[stage], phase);
+        const uint32_t a = smem_u32(smem + stage * UP_STAGE);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int r = t / 8 + 16 * m;
+          const bool ok = r0 + r < p.M;
+          cp_async16(a + swz(r, ch), p.x + size_t(ok ? r0 + r : 0) * p.D + kb * BK + ch * 8, ok);
+        }
+#pragma unroll 4
+        for (int m = 0; m < 32; ++m) {
+          const int r = t / 8 + 16 * m;
+          const int n = nrow[r];
+          cp_async16(a + A_BYTES + swz(r, ch), p.w_up + size_t(n >= 0 ? n : 0) * p.D + kb * BK + ch * 8, n >= 0);
+        }
+        cp_async_arrive(&full[stage]);
+        if (++stage == UP_STAGES) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  reg_alloc();
+  const int g = wg - 1, ct = threadIdx.x - 128 * wg;
+  const int warp = ct / 32, lane = ct % 32, q = lane % 4;
+  uint32_t phase = 0;
+  float acc[128];
+  for (int pass = 0; pass < passes; ++pass) {
+    mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(acc, steps, smem, full, empty, stage, phase, g, lane,
+                                                               [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
+    // Epilogue straight from the accumulators: this thread holds rows R = 16 warp + lane / 4 + 8 hf,
+    // columns 8 i + 2 q + {0, 1} in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its two
+    // rows whose rank falls on its columns: gate -> h = bf16(gate * bf16(u)). Reading them with
+    // ld.global.nc is safe: an entry is rewritten once, by its owner, after this read.
+    const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + lane / 4 + 8 * hf;
+      uint32_t n = p.w.rowcnt[size_t(b) * UB + r];
+      n = n == NOT_HERE ? 0u : n;
+      uint32_t* ent = p.w.ent + size_t(r0 + r) * ROW_CAP;
+      for (uint32_t e0 = 0; e0 < n; e0 += 4) {
+        uint32_t v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = e0 + j < n ? __ldg(ent + e0 + j) : 0xFFFFu;  // rank 65535: no column
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t col = (v[j] & 0xFFFFu) - c0;
+          if (col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
+            const int ci = int(col >> 3), odd = int(col & 1);
+            float u = 0.f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+              if (i == ci) u = odd ? acc[4 * i + 2 * hf + 1] : acc[4 * i + 2 * hf];
+            }
+            const float ub = __bfloat162float(__float2bfloat16_rn(u));
+            const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[j]) * ub);
+            ent[e0 + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[j] & 0xFFFFu);
+          }
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
+  const int n_items = p.D / DCHUNK;
+  const int ubi = blockIdx.x / n_items, qd = blockIdx.x % n_items;
+  if (ubi >= int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1]))) return;
+  uint8_t* smem = aligned_smem();
+  uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + DN_STAGES * DN_STAGE);  // [UB][ROW_CAP]
+  uint16_t* ids = reinterpret_cast<uint16_t*>(ent_s + UB * ROW_CAP);           // [MAX_SLOT]
+  uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_SLOT);
+  uint64_t* empty = full + DN_STAGES;
+  init_ring(full, empty, DN_STAGES, 128);  // 64 cp.async issuers + 64 row builders
+
+  const int b = int(p.w.ublocks[ubi]);
+  const int n_union = int(p.w.usize[b]);
+  const int r0 = b * UB;
+  const int steps = (n_union + DK - 1) / DK;
+  const int col0 = qd * DCHUNK;
+  const int wg = threadIdx.x / 128;
+  int stage = 0;
+
+  if (wg == 0) {
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    // The block's union ids and entries into shared memory, all producer threads together
+    // (warp w takes rows w, w + 4, ...: 4 rows at a time, loads first; lanes take entries).
+    const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
+    for (int i = t; i < (n_union + 7) / 8; i += 128) reinterpret_cast<uint4*>(ids)[i] = __ldg(U4 + i);
+    for (int rb = warp; rb < UB; rb += 16) {
+      uint32_t n[4], w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        n[j] = p.w.rowcnt[size_t(b) * UB + rb + 4 * j];
+        n[j] = n[j] == NOT_HERE ? 0u : n[j];
+        w[j] = uint32_t(lane) < n[j] ? __ldg(p.w.ent + size_t(r0 + rb + 4 * j) * ROW_CAP + lane) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = rb + 4 * j;
+        if (uint32_t(lane) < n[j]) ent_s[r * ROW_CAP + lane] = w[j];
+        for (uint32_t e = lane + 32; e < n[j]; e += 32) ent_s[r * ROW_CAP + e] = __ldg(p.w.ent + size_t(r0 + r) * ROW_CAP + e);
+      }
+    }
+    asm volatile("bar.sync 3, 128;" ::: "memory");  // producer warpgroup only
+    uint32_t phase = 1;
+    if (t < UB) {
+      // Row builder: A row t of each stage = h of row t at the stage's DK union columns (zeros
+      // elsewhere; 128-byte swizzled rows of which the first DK columns are used).
+      uint32_t n = p.w.rowcnt[size_t(b) * UB + t];
+      n = n == NOT_HERE ? 0u : n;
+      uint32_t cur = 0;
+      for (int kb = 0; kb < steps; ++kb) {
+        mbar_wait(&empty[stage], phase);
+        uint8_t* base = smem + stage * DN_STAGE;
+        uint4* row = reinterpret_cast<uint4*>(base + t * 128);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) row[j] = make_uint4(0, 0, 0, 0);
+        // The row's entries are sorted by rank (plan): a cursor walks each of them once in all.
+        const uint32_t k0 = uint32_t(kb * DK);
+        for (; cur < n; ++cur) {
+          const uint32_t w = ent_s[t * ROW_CAP + cur], col = (w & 0xFFFFu) - k0;
+          if (col >= uint32_t(DK)) break;
+          *reinterpret_cast<uint16_t*>(base + swz(t, int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
+        }
+        fence_async_smem();
+        mbar_arrive(&full[stage]);
+        if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
+      }
+    } else {
+      // Gatherer: 16-byte chunk cc = t - 64 (of the item's 512 columns) of the stage's DK union rows.
+      // MN-major 128B-swizzled operand: warpgroup half hw = cc / 32, atom (64 columns) at = cc % 32 / 8
+      // every DK * 128 bytes, K row kk at (kk / 8) * 1 KB + (kk % 8) * 128.
+      const int cc = t - UB, hw = cc / 32, at = (cc % 32) / 8, ch = cc % 8;
+      const __nv_bfloat16* src0 = p.w_down_t + col0 + cc * 8;
+      for (int kb = 0; kb < steps; ++kb) {
+        mbar_wait(&empty[stage], phase);
+        const uint32_t bsm = smem_u32(smem + stage * DN_STAGE) + A_BYTES + hw * (DN_B_BYTES / 2) + at * (DK * 128);
+#pragma unroll 8
+        for (int kk = 0; kk < DK; ++kk) {
+          const int k = kb * DK + kk;
+          const bool ok = k < n_union;
+          cp_async16(bsm + swz(kk, ch), src0 + size_t(ok ? ids[k] : 0) * p.D, ok);
+        }
+        cp_async_arrive(&full[stage]);
+        if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  const int g = wg - 1, ct = threadIdx.x - 128 * wg;
+  const int warp = ct / 32, lane = ct % 32, q = lane % 4;
+  uint32_t phase = 0;
+  float acc[128];
+  // B descriptor: K step k (16 rows) starts 2 KB further; atoms along N DK * 128 bytes apart.
+  mma_loop<1, DK / 16, DN_STAGES, DN_STAGE, DN_B_BYTES / 2>(
+      acc, steps, smem, full, empty, stage, phase, g, lane,
+      [](uint32_t bb, int k) { return smem_desc(bb + 2048 * k, DK * 128, 1024); });
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = 16 * warp + lane / 4 + 8 * hf;
+    if (r0 + r >= p.M || p.w.rowcnt[size_t(b) * UB + r] == NOT_HERE) continue;
+    __nv_bfloat16* o = p.out + size_t(r0 + r) * p.D + col0 + g * NW + 2 * q;
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) = __floats2bfloat162_rn(acc[4 * i + 2 * hf], acc[4 * i + 2 * hf + 1]);
+  }
+}
+
+}  // namespace uni
+
+bool union_supported(int D, int H, bool gated) {
+  return gated && D % uni::DCHUNK == 0 && uni::ulist_slot(H) <= uni::MAX_SLOT;
+}
+
+size_t union_workspace_words(int M, int H) {
+  const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;
+  auto up4 = [](size_t w) { return (w + 3) & ~size_t(3); };
+  return up4(2) + up4(M) + 2 * up4(nb) + up4(nb * uni::UB) + up4(nb * uni::ulist_slot(H) / 2) + nb * uni::UB * uni::ROW_CAP;
+}
+
+Workspace union_workspace(uint32_t* base, int M, int H) {
+  const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;
+  auto up4 = [](size_t w) { return (w + 3) & ~size_t(3); };
+  Workspace w;
+  w.ctr = base;
+  w.light_rows = w.ctr + up4(2);
+  w.ublocks = w.light_rows + up4(M);
+  w.usize = w.ublocks + up4(nb);
+  w.rowcnt = w.usize + up4(nb);
+  w.ulist = reinterpret_cast<uint16_t*>(w.rowcnt + up4(nb * uni::UB));
+  w.ent = reinterpret_cast<uint32_t*>(w.ulist) + up4(nb * uni::ulist_slot(H) / 2);
+  return w;
+}
+
+// Plan, then (after the caller's per-row kernel on the rows left to it) up and down.
+cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
+                              int S, float ratio, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(w.ctr, 0, 2 * sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  const int nb = (M + uni::UB - 1) / uni::UB;
+  uni::Params p{static_cast<const __nv_bfloat16*>(x), tw, spill, static_cast<const __nv_bfloat16*>(w_up),
+                static_cast<const __nv_bfloat16*>(w_down_t), static_cast<__nv_bfloat16*>(out), w, M, D, H, n_tiles,
+                S, nb, ratio};
+  uni::plan_kernel<<<nb, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                             const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
+                             int S, cudaStream_t stream) {
+  const int nb = (M + uni::UB - 1) / uni::UB;
+  uni::Params p{static_cast<const __nv_bfloat16*>(x), tw, spill, static_cast<const __nv_bfloat16*>(w_up),
+                static_cast<const __nv_bfloat16*>(w_down_t), static_cast<__nv_bfloat16*>(out), w, M, D, H, n_tiles,
+                S, nb, 0.f};
+  cudaError_t err = cudaFuncSetAttribute(uni::up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, uni::UP_SMEM);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(uni::down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, uni::DOWN_SMEM);
+  if (err != cudaSuccess) return err;
+  uni::up_kernel<<<nb, 384, uni::UP_SMEM, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  uni::down_kernel<<<nb * (D / uni::DCHUNK), 384, uni::DOWN_SMEM, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace twell
