@@ -13,7 +13,6 @@ For each SparseFFN layer, on batch x seq validation tokens in sequence order:
 Usage (on the H100): PYTHONPATH=src python scripts/probes/real_activations.py CKPT_DIR VAL_BIN OUT_JSON [batch] [seq]
 """
 import json
-import os
 import sys
 
 import numpy as np
@@ -26,6 +25,7 @@ from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
+from union_ratio import with_ratio  # this script's directory is on sys.path
 
 
 def timing(x, wg, wu, wd) -> dict:
@@ -36,11 +36,7 @@ def timing(x, wg, wu, wd) -> dict:
     def sparse():
         return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt)
 
-    def ratio(r, fn):  # the fused kernel with the block-union path at TWELL_UNION_RATIO = r (0: off)
-        def call():
-            os.environ["TWELL_UNION_RATIO"] = str(r)
-            return fn()
-        return call
+    ratio = with_ratio  # the block-union path at TWELL_UNION_RATIO = r (0: off)
 
     fused = lambda: kernels.twell_gated_ffn(x, gate, wu, wdt)  # noqa: E731
     fns = {"dense": dense, "sparse": ratio(0, sparse), "cublas_gate": lambda: F.linear(x, wg),
@@ -65,7 +61,6 @@ def timing(x, wg, wu, wd) -> dict:
             sz = plan["union_sizes"].float()
             res[f"union_plan_{r:g}"] = {"blocks": plan["union_blocks"], "per_row_rows": plan["per_row_rows"],
                                         "mean_union": round(sz.mean().item(), 1) if sz.numel() else 0}
-    os.environ.pop("TWELL_UNION_RATIO", None)
     return res
 
 

@@ -7,7 +7,6 @@ Prints CSV: case, measured nnz, union blocks at each ratio, mean |U|, kernel tim
 relative difference of each output from the per-row kernel's.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/union_ratio.py [M] [ratios...]
 """
-import os
 import sys
 
 import torch
@@ -15,15 +14,17 @@ import torch
 from twell import kernels
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
+from twell.paths import environ_set
 
 CASES = [(8, 0.1, 0.0), (29, 0.1, 0.0), (64, 0.1, 0.0), (29, 0.35, 0.0), (6, 0.1, 0.84), (44, 0.1, 0.55),
          (29, 0.1, 0.5)]
 
 
 def with_ratio(ratio, fn):
+    """fn run with TWELL_UNION_RATIO = ratio (read by the extension on every call; 0: path off)."""
     def call():
-        os.environ["TWELL_UNION_RATIO"] = str(ratio)
-        return fn()
+        with environ_set({"TWELL_UNION_RATIO": str(ratio)}):
+            return fn()
     return call
 
 
@@ -71,7 +72,6 @@ def main(M=65536, ratios=(0.0, 0.5, 0.75, 1.0, 1e9), D=2048, H=5632):
               + ",".join(f"{t[f'r{r:g}'].median_ms:.3f}" for r in ratios) + ","
               + ",".join(f"{d:.2e}" for d in diffs), flush=True)
         print(f"  kernels@{ratios[-1]:g}: " + kernel_times(fns[f"r{ratios[-1]:g}"]), flush=True)
-    os.environ.pop("TWELL_UNION_RATIO", None)
 
 
 if __name__ == "__main__":
