@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "twell_kernels.h"
@@ -23,6 +24,13 @@ void check_bf16_matrix(const at::Tensor& t, const char* name) {
               "twell: ", name, " must be a contiguous bf16 CUDA matrix");
 }
 
+// TwELL words of M rows over H neurons: uint32 [M, ceil(H/tile) * S], contiguous, on the device.
+void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile, int64_t S, const char* op) {
+  TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.dim() == 2 &&
+                  tw.size(0) == M && tw.size(1) == ((H + tile - 1) / tile) * S,
+              "twell.", op, ": TwELL words must be uint32 [M, ceil(H/tile)*S]");
+}
+
 // Block-union path (csrc/twell_union.cu): a block of 64 rows takes it when its union of active
 // neurons is at most this many times its entries; 0 turns it off. TWELL_UNION_RATIO overrides the
 // default (read on every call, so a benchmark can compare settings in one process). Off by default:
@@ -35,6 +43,19 @@ float union_ratio() {
   const float v = std::strtof(env, &end);
   TORCH_CHECK(end != env && *end == '\0' && v >= 0.f, "TWELL_UNION_RATIO must be a number >= 0, got '", env, "'");
   return v;
+}
+
+// Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off), 1 (wherever it is
+// supported) or auto (supported and M large enough for it to pay), read on every call.
+constexpr int kStationaryDefault = 0;
+int stationary_mode() {
+  const char* env = std::getenv("TWELL_STATIONARY");
+  if (env == nullptr || *env == '\0') return kStationaryDefault;
+  const std::string v(env);
+  if (v == "0") return 0;
+  if (v == "1") return 1;
+  if (v == "auto") return -1;
+  TORCH_CHECK(false, "TWELL_STATIONARY must be 0, 1 or auto, got '", v, "'");
 }
 
 // Words of the spill area for M rows: room for about 1% of rows fully dense (past it, tiles keep
@@ -69,9 +90,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
   TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
-  TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.dim() == 2 &&
-                  tw.size(0) == M && tw.size(1) == ((H + tile - 1) / tile) * S,
-              "twell.ffn: TwELL words must be uint32 [M, ceil(H/tile)*S]");
+  check_twell_words(tw, M, H, tile, S, "ffn");
   if (spill) TORCH_CHECK(spill->is_cuda() && spill->scalar_type() == at::kUInt32 && spill->is_contiguous(),
                          "twell.ffn: bad spill area");
   for (const auto* opt : {&w_act, &w_up}) {
@@ -81,8 +100,8 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
     }
   }
   at::Tensor out = at::empty({M, D}, x.options());
-  const float ratio = union_ratio();
-  const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), ratio));
+  const twell::FfnPaths paths{stationary_mode(), union_ratio()};
+  const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues (+ union-path scratch)
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(twell::launch_twell_ffn(
@@ -90,7 +109,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
                    spill ? reinterpret_cast<const uint32_t*>(spill->data_ptr()) : nullptr,
                    w_act ? w_act->data_ptr() : nullptr, w_up ? w_up->data_ptr() : nullptr, w_down_t.data_ptr(),
                    out.data_ptr(), reinterpret_cast<uint32_t*>(work.data_ptr()), int(M), int(D), int(H), int(tile),
-                   int(S), ratio, x.get_device(), c10::cuda::getCurrentCUDAStream()),
+                   int(S), paths, x.get_device(), c10::cuda::getCurrentCUDAStream()),
                "ffn");
   return out;
 }
@@ -106,9 +125,7 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   check_bf16_matrix(w_down_t, "w_down_t");
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(twell::union_supported(int(D), int(H), true), "twell.ffn_plan: the union path needs D % 512 == 0");
-  TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.size(0) == M &&
-                  tw.size(1) == ((H + tile - 1) / tile) * S,
-              "twell.ffn_plan: TwELL words must be uint32 [M, ceil(H/tile)*S]");
+  check_twell_words(tw, M, H, tile, S, "ffn_plan");
   const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
   at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());
@@ -136,6 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_forward", &ffn_forward, "fused sparse up/down projection from TwELL", pybind11::arg("x"),
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"));
+  m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on, -1 auto ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),
         pybind11::arg("spill"), pybind11::arg("w_up"), pybind11::arg("w_down_t"), pybind11::arg("tile"),

@@ -52,6 +52,23 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// Arrive on bar and add `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+// Order this thread's earlier generic-proxy accesses to shared memory before later async-proxy ones
+// (a bulk copy must not overwrite a buffer that is still being read).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Bulk copy of `bytes` (a multiple of 16, 16-byte aligned) from global to shared memory; completes
+// as transactions on bar (see mbar_expect_tx).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
 // Shared-memory matrix descriptor for wgmma with 128-byte swizzle (1024-byte aligned atoms of
 // 8 rows x 128 bytes). K-major tiles (rows of 64 bf16 along K): lbo unused, sbo = 1024 (8-row
 // groups). MN-major tiles: lbo = bytes between 64-element atoms along M/N, sbo = bytes between

@@ -75,17 +75,10 @@ __device__ __forceinline__ void ring_issue(Ring& r, const Params& p, uint32_t en
   const int s = r.issued % K;
   const uint32_t bytes = uint32_t(p.D) * 2;
   const uint32_t n = entry & 0xFFFFu;
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // earlier generic reads of this stage
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               ::"r"(smem_u32(&r.bar[s])), "r"(gated ? 2 * bytes : bytes) : "memory");
-  if (gated)
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(r.buf + s * STAGE)), "l"(p.w_up + size_t(n) * p.D), "r"(bytes), "r"(smem_u32(&r.bar[s]))
-                 : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_u32(r.buf + s * STAGE + (gated ? bytes : 0))), "l"(p.w_down_t + size_t(n) * p.D),
-               "r"(bytes), "r"(smem_u32(&r.bar[s]))
-               : "memory");
+  fence_async_smem();  // earlier generic reads of this stage
+  mbar_expect_tx(&r.bar[s], gated ? 2 * bytes : bytes);
+  if (gated) bulk_copy(r.buf + s * STAGE, p.w_up + size_t(n) * p.D, bytes, &r.bar[s]);
+  bulk_copy(r.buf + s * STAGE + (gated ? bytes : 0), p.w_down_t + size_t(n) * p.D, bytes, &r.bar[s]);
   ++r.issued;
 }
 
@@ -288,13 +281,9 @@ __device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, u
   }
   // The ring is drained here: borrow it for the row's TwELL words (one bulk copy).
   if (lane == 0) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(twbar)), "r"(row_bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(ring.buf)), "l"(p.tw + size_t(row) * p.n_tiles * p.S), "r"(row_bytes),
-                 "r"(smem_u32(twbar))
-                 : "memory");
+    fence_async_smem();
+    mbar_expect_tx(twbar, row_bytes);
+    bulk_copy(ring.buf, p.tw + size_t(row) * p.n_tiles * p.S, row_bytes, twbar);
   }
   RowF<CH> x;
   __syncwarp();  // converged for load_x's shuffles
@@ -391,7 +380,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
 }
 
 template <int CH, bool FULL>
-cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, int device, cudaStream_t stream) {
+cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const StWorkspace* sw, int device,
+                      cudaStream_t stream) {
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
   auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
@@ -400,6 +390,9 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, int dev
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 2 * sizeof(uint32_t), stream);
+  if (err == cudaSuccess && sw != nullptr)
+    err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
+                                 stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S,
                             ratio, stream);
@@ -408,6 +401,9 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, int dev
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
   light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
   err = cudaGetLastError();
+  if (err == cudaSuccess && sw != nullptr)
+    err = launch_stationary_products(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles,
+                                     p.S, device, stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_mma(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S, stream);
   if (err != cudaSuccess) return err;
@@ -419,10 +415,14 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, int dev
 
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
-                             int H, int tile, int S, float union_ratio, int device, cudaStream_t stream) {
+                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream) {
   if (M == 0) return cudaSuccess;
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
-  const bool use_union = union_ratio > 0.f && union_supported(D, H, w_up != nullptr);
+  const bool gated = w_up != nullptr;
+  // One optional path per call: the weight-stationary one first, else the block-union one.
+  const bool use_st = stationary_used(paths.stationary, M, D, H, gated);
+  const bool use_union = !use_st && paths.union_ratio > 0.f && union_supported(D, H, gated);
+  const StWorkspace sw = stationary_workspace(workspace + ffn::heavy_words(M), M, D, H);
   const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
   ffn::Params p{static_cast<const __nv_bfloat16*>(x),
                 tw,
@@ -432,8 +432,8 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 static_cast<const __nv_bfloat16*>(w_down_t),
                 static_cast<__nv_bfloat16*>(out),
                 workspace,
-                use_union ? uw.light_rows : nullptr,
-                use_union ? uw.ctr : nullptr,
+                use_st ? sw.light_rows : use_union ? uw.light_rows : nullptr,
+                use_st ? sw.ctr : use_union ? uw.ctr : nullptr,
                 M,
                 D,
                 H,
@@ -441,23 +441,27 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 tile,
                 S};
   const Workspace* u = use_union ? &uw : nullptr;
+  const StWorkspace* st = use_st ? &sw : nullptr;
+  const float ratio = paths.union_ratio;
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, union_ratio, device, stream);
-    case 2: return ffn::launch_ch<2, false>(p, u, union_ratio, device, stream);
-    case 4: return ffn::launch_ch<4, false>(p, u, union_ratio, device, stream);
-    case 8: return ffn::launch_ch<8, false>(p, u, union_ratio, device, stream);
-    case -1: return ffn::launch_ch<1, true>(p, u, union_ratio, device, stream);
-    case -2: return ffn::launch_ch<2, true>(p, u, union_ratio, device, stream);
-    case -4: return ffn::launch_ch<4, true>(p, u, union_ratio, device, stream);
-    default: return ffn::launch_ch<8, true>(p, u, union_ratio, device, stream);
+    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream);
+    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream);
+    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream);
+    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream);
+    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream);
+    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream);
+    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream);
+    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream);
   }
 }
 
-size_t ffn_workspace_words(int M, int D, int H, bool gated, float union_ratio) {
-  const bool use_union = union_ratio > 0.f && union_supported(D, H, gated);
+size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths) {
+  if (stationary_used(paths.stationary, M, D, H, gated))
+    return ffn::heavy_words(M) + stationary_workspace_words(M, D, H);
+  const bool use_union = paths.union_ratio > 0.f && union_supported(D, H, gated);
   return ffn::heavy_words(M) + (use_union ? union_workspace_words(M, H) : 0);
 }
 

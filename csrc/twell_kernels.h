@@ -19,12 +19,18 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
 // in-kernel recompute of overflowing tiles without a spill copy (when null, such rows are left
 // unwritten for the caller). workspace: ffn_workspace_words(...) uint32 words. 64 <= D <= 2048.
-// union_ratio > 0 enables the block-union tensor-core path (twell_union.cu) where it applies: a block
-// of 64 rows takes it when its union of active neurons is at most union_ratio x its entries.
+// Optional paths for the rows that allow them (the per-row kernels take the rest):
+//   stationary: the weight-stationary kernels (twell_stationary.cu), when stationary_used(...);
+//   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
+//   when its union of active neurons is at most union_ratio x its entries.
+struct FfnPaths {
+  int stationary;     // 0 off, 1 on where supported, -1 automatic (stationary_auto)
+  float union_ratio;  // 0 off
+};
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
-                             int H, int tile, int S, float union_ratio, int device, cudaStream_t stream);
-size_t ffn_workspace_words(int M, int D, int H, bool gated, float union_ratio);
+                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream);
+size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths);
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
 struct Workspace {
@@ -45,6 +51,30 @@ cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t*
 cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
                              int S, cudaStream_t stream);
+
+// Weight-stationary path (twell_stationary.cu). Device scratch, carved from the caller's workspace.
+struct StWorkspace {
+  uint32_t* ctr;         // [0] rows queued for the per-row kernel, [1] pairs listed
+  uint32_t* light_rows;  // [M] rows queued for the per-row kernel
+  uint32_t* rowcnt;      // [M] entries of the row, or 0xFFFFFFFF when the per-row kernels compute it
+  uint32_t* seg;         // per block of 256 rows and slice of H: (first pair, pairs)
+  uint32_t* ent;         // [M, 128] the row's entries: gate (then h) bf16 << 16 | neuron
+  uint32_t* qpair;       // [M * 128] pairs, row << 7 | entry index, grouped by block and slice
+  uint16_t* qcol;        // [M * 128] the pair's neuron (so the up kernel needs no lookup in ent)
+  float* part;           // [D / 64 / cluster, M * 128] partial up-projection sums per pair
+};
+bool stationary_supported(int D, int H, bool gated);
+// Whether the path runs for this call: mode 1 = where supported, -1 = where supported and M is large
+// enough for it to pay (the weights are read once per CTA, whatever M).
+bool stationary_used(int mode, int M, int D, int H, bool gated);
+size_t stationary_workspace_words(int M, int D, int H);
+StWorkspace stationary_workspace(uint32_t* base, int M, int D, int H);
+cudaError_t launch_stationary_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                                   const void* w_down_t, void* out, const StWorkspace& w, int M, int D, int H,
+                                   int n_tiles, int S, cudaStream_t stream);
+cudaError_t launch_stationary_products(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
+                                       const void* w_down_t, void* out, const StWorkspace& w, int M, int D, int H,
+                                       int n_tiles, int S, int device, cudaStream_t stream);
 
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
 const char* last_error();

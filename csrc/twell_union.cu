@@ -65,7 +65,6 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Move registers from the producer warpgroup (address arithmetic only) to the two consumer
 // warpgroups (128 accumulators each): 56 + 2 x 224 per thread fits the 64K-register file.

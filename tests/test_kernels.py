@@ -60,12 +60,17 @@ def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), z
     return [t.to(torch.bfloat16).cuda() for t in (x, w_gate, w_up, w_down)]
 
 
-@pytest.fixture(params=["0", "1", "1e9"], ids=["per-row", "union-auto", "union-always"])
-def union_ratio(request, monkeypatch):
-    """Run a test with the block-union path off, at its default rule, and wherever it applies
-    (csrc/twell_union.cu: gated, D a multiple of 512); the C++ side reads the variable per call."""
-    monkeypatch.setenv("TWELL_UNION_RATIO", request.param)
-    return float(request.param)
+@pytest.fixture(params=[("0", "0"), ("1", "0"), ("1e9", "0"), ("0", "1")],
+                ids=["per-row", "union-auto", "union-always", "stationary"])
+def fused_path(request, monkeypatch):
+    """Run a test on each path of the fused kernel: per-row only, the block-union path at its rule
+    and wherever it applies (csrc/twell_union.cu: gated, D a multiple of 512), and the
+    weight-stationary path wherever it applies (csrc/twell_stationary.cu: gated, H <= 6400). The C++
+    side reads the variables per call."""
+    ratio, stationary = request.param
+    monkeypatch.setenv("TWELL_UNION_RATIO", ratio)
+    monkeypatch.setenv("TWELL_STATIONARY", stationary)
+    return request.param
 
 
 def module_with(wg, wu, wd):
@@ -124,7 +129,7 @@ def test_gate_kernel_matches_reference(M, D, H, tile, compression):
 
 @pytest.mark.parametrize("M,D,H", SHAPES)
 @pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)])
-def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, union_ratio):
+def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, fused_path):
     x, wg, wu, wd = inputs(M, D, H, nnz=min(nnz, H // 2), tail=tail)
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
@@ -140,7 +145,7 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, union_ratio):
 # which a bulk copy cannot move (CTA-per-row path too; one slot per tile, so most tiles spill).
 @pytest.mark.parametrize("M,D,H,tile,compression", [(2048, 512, 1000, 128, 4), (513, 256, 5632, 256, 2),
                                                      (300, 128, 12800, 256, 2), (2100, 256, 300, 64, 32)])
-def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression, union_ratio):
+def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression, fused_path):
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[1])
     gate = kernels.twell_gate(x, wg, tile, compression)
     ptr = poison_allocator((M, D), torch.bfloat16)
@@ -149,7 +154,7 @@ def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression, union
     check_ffn(out, x, wg, wu, wd)
 
 
-def test_overflow_dense_and_zero_rows_are_exact(union_ratio):
+def test_overflow_dense_and_zero_rows_are_exact(fused_path):
     M, D, H = 777, 2048, 5632
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[0, 5, 400], zero_rows=[1, 2, 776])
     gate = kernels.twell_gate(x, wg)
@@ -174,7 +179,7 @@ def test_overflow_dense_and_zero_rows_are_exact(union_ratio):
     check_ffn(kernels.sparse_gated_ffn(xd, wgd, wud, wdd.t().contiguous()), xd, wgd, wud, wdd)
 
 
-def test_overflow_without_spill_is_recomputed_in_kernel(union_ratio):
+def test_overflow_without_spill_is_recomputed_in_kernel(fused_path):
     """A TwELL whose overflowing tiles are neither spilled nor backed up densely, but which knows
     (x, w_gate): the fused kernel recomputes those tiles neuron by neuron."""
     from twell.formats import TwELL
@@ -190,7 +195,7 @@ def test_overflow_without_spill_is_recomputed_in_kernel(union_ratio):
     check_ffn(out, x, wg, wu, wd)
 
 
-def test_reference_packed_twell_uses_its_dense_backup(union_ratio):
+def test_reference_packed_twell_uses_its_dense_backup(fused_path):
     x, wg, wu, wd = inputs(500, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9])
     gate = pack_twell(F.relu(F.linear(x, wg)))  # no source: overflow rows come from the backup
     assert gate.source is None and gate.n_overflow_rows >= 2
@@ -254,6 +259,45 @@ def test_union_ratio_setting_is_checked(monkeypatch):
     gate = kernels.twell_gate(x, wg)
     monkeypatch.setenv("TWELL_UNION_RATIO", "fast")
     with pytest.raises(RuntimeError, match="TWELL_UNION_RATIO"):
+        kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+
+
+@pytest.mark.parametrize("M,D,H,tile,compression", [(4097, 2048, 5632, 256, 8), (1000, 320, 1000, 128, 4),
+                                                     (600, 128, 300, 64, 2), (300, 1024, 6000, 256, 8)])
+def test_stationary_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
+    """The weight-stationary path (on by TWELL_STATIONARY=1) on heavy-tailed rows with dense and
+    all-zero rows mixed in: rows past its 128-entry capacity go to the per-row kernels, the rest to
+    it. Shapes cover cluster sizes 8 (D = 2048), 1 (D = 320: 5 column chunks), 2 (D = 128), H split
+    in 1 to 5 slices, tiles not aligned with the slices. Output poisoned; fp64 comparison; the
+    per-row path agrees; two calls agree bit for bit (every sum has a fixed order)."""
+    monkeypatch.setenv("TWELL_STATIONARY", "1")
+    x, wg, wu, wd = inputs(M, D, H, nnz=min(29, H // 8), tail=0.35, dense_rows=[0, M // 2], zero_rows=[1, M - 1])
+    wdt = wd.t().contiguous()
+    gate = kernels.twell_gate(x, wg, tile, compression)
+    assert int(gate.nnz_per_row().gt(128).sum()) >= 2  # the dense rows take the per-row kernels
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    check_ffn(out, x, wg, wu, wd)
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+    monkeypatch.setenv("TWELL_STATIONARY", "0")
+    per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert rel(out, per_row.double()) < 1e-2
+
+
+def test_stationary_path_falls_back_where_unsupported(monkeypatch):
+    """H above the down tile's capacity (6400): TWELL_STATIONARY=1 leaves the call to the per-row path."""
+    monkeypatch.setenv("TWELL_STATIONARY", "1")
+    x, wg, wu, wd = inputs(257, 256, 7000, nnz=29)
+    gate = kernels.twell_gate(x, wg)
+    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
+
+
+def test_stationary_setting_is_checked(monkeypatch):
+    x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
+    gate = kernels.twell_gate(x, wg)
+    monkeypatch.setenv("TWELL_STATIONARY", "yes")
+    with pytest.raises(RuntimeError, match="TWELL_STATIONARY"):
         kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
 
 

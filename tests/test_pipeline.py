@@ -131,6 +131,20 @@ def test_smoke_profile_writes_beside_the_committed_reports(monkeypatch, tmp_path
     assert pl.PipelinePaths.resolve(profile="cpu-smoke").reports == (tmp_path / "rep").resolve()
 
 
+def test_empty_reports_variable_means_unset_everywhere(monkeypatch, tmp_path):
+    """TWELL_REPORTS="" falls back to reports/ for both helpers (not to the working directory)."""
+    from twell import paths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TWELL_REPORTS", "")
+    root = paths.repo_root() / "reports"
+    assert paths.reports_dir("bench", create=False) == root / "bench"
+    assert paths.reports_root() == root
+    monkeypatch.setenv("TWELL_REPORTS", str(tmp_path / "rep"))
+    assert paths.reports_dir("bench", create=False) == tmp_path / "rep" / "bench"
+    assert paths.reports_root() == tmp_path / "rep"
+
+
 def test_console_script_points_at_main():
     eps = [ep for ep in entry_points(group="console_scripts") if ep.name == "twell-pipeline"]
     assert eps and eps[0].value == "twell.pipeline:main"

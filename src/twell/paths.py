@@ -27,9 +27,15 @@ def repo_root() -> Path:
     return Path.cwd()
 
 
+def _reports_env() -> Path | None:
+    """``$TWELL_REPORTS`` when set and non-empty (an empty value means unset, not the working directory)."""
+    env = os.environ.get("TWELL_REPORTS")
+    return Path(env).expanduser() if env else None
+
+
 def reports_dir(*parts: str, create: bool = True) -> Path:
-    """``reports/<parts...>``; created on demand."""
-    root = Path(os.environ.get("TWELL_REPORTS", repo_root() / "reports"))
+    """``reports/<parts...>`` (or ``$TWELL_REPORTS/<parts...>``); created on demand."""
+    root = _reports_env() or repo_root() / "reports"
     path = root.joinpath(*parts)
     if create:
         path.mkdir(parents=True, exist_ok=True)
@@ -42,9 +48,9 @@ SMOKE_PROFILE = "cpu-smoke"
 def reports_root(profile: str | None = None) -> Path:
     """Output root of a notebook run: ``$TWELL_REPORTS``, else ``reports/``, or ``reports/smoke/`` for the
     smoke profile, whose tiny-model and fixture outputs must not replace the committed results."""
-    env = os.environ.get("TWELL_REPORTS")
-    if env:
-        return Path(env).expanduser()
+    env = _reports_env()
+    if env is not None:
+        return env
     return repo_root() / "reports" / "smoke" if profile == SMOKE_PROFILE else repo_root() / "reports"
 
 
