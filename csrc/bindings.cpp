@@ -45,8 +45,8 @@ float union_ratio() {
   return v;
 }
 
-// Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off), 1 (wherever it is
-// supported) or auto (supported and M large enough for it to pay), read on every call.
+// Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off) or 1 (wherever it is
+// supported), read on every call. Off by default: slower than the per-row kernel (csrc/NOTES.md, v7).
 constexpr int kStationaryDefault = 0;
 int stationary_mode() {
   const char* env = std::getenv("TWELL_STATIONARY");
@@ -54,8 +54,7 @@ int stationary_mode() {
   const std::string v(env);
   if (v == "0") return 0;
   if (v == "1") return 1;
-  if (v == "auto") return -1;
-  TORCH_CHECK(false, "TWELL_STATIONARY must be 0, 1 or auto, got '", v, "'");
+  TORCH_CHECK(false, "TWELL_STATIONARY must be 0 or 1, got '", v, "'");
 }
 
 // Words of the spill area for M rows: room for about 1% of rows fully dense (past it, tiles keep
@@ -153,7 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_forward", &ffn_forward, "fused sparse up/down projection from TwELL", pybind11::arg("x"),
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"));
-  m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on, -1 auto ($TWELL_STATIONARY)");
+  m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),
         pybind11::arg("spill"), pybind11::arg("w_up"), pybind11::arg("w_down_t"), pybind11::arg("tile"),

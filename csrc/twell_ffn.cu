@@ -420,7 +420,7 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
   // One optional path per call: the weight-stationary one first, else the block-union one.
-  const bool use_st = stationary_used(paths.stationary, M, D, H, gated);
+  const bool use_st = stationary_used(paths.stationary, D, H, gated);
   const bool use_union = !use_st && paths.union_ratio > 0.f && union_supported(D, H, gated);
   const StWorkspace sw = stationary_workspace(workspace + ffn::heavy_words(M), M, D, H);
   const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
@@ -459,7 +459,7 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
 }
 
 size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths) {
-  if (stationary_used(paths.stationary, M, D, H, gated))
+  if (stationary_used(paths.stationary, D, H, gated))
     return ffn::heavy_words(M) + stationary_workspace_words(M, D, H);
   const bool use_union = paths.union_ratio > 0.f && union_supported(D, H, gated);
   return ffn::heavy_words(M) + (use_union ? union_workspace_words(M, H) : 0);

@@ -24,7 +24,7 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
 //   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
 //   when its union of active neurons is at most union_ratio x its entries.
 struct FfnPaths {
-  int stationary;     // 0 off, 1 on where supported, -1 automatic (stationary_auto)
+  int stationary;     // 0 off, 1 on where supported
   float union_ratio;  // 0 off
 };
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
@@ -64,9 +64,9 @@ struct StWorkspace {
   float* part;           // [D / 64 / cluster, M * 128] partial up-projection sums per pair
 };
 bool stationary_supported(int D, int H, bool gated);
-// Whether the path runs for this call: mode 1 = where supported, -1 = where supported and M is large
-// enough for it to pay (the weights are read once per CTA, whatever M).
-bool stationary_used(int mode, int M, int D, int H, bool gated);
+// Whether the path runs for this call: mode 1 and supported. There is no automatic rule: on the H100
+// it was slower than the per-row kernel on every input measured (csrc/NOTES.md, v7).
+bool stationary_used(int mode, int D, int H, bool gated);
 size_t stationary_workspace_words(int M, int D, int H);
 StWorkspace stationary_workspace(uint32_t* base, int M, int D, int H);
 cudaError_t launch_stationary_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,

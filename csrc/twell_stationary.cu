@@ -432,14 +432,7 @@ bool stationary_supported(int D, int H, bool gated) {
   return gated && D % 64 == 0 && H <= st::DN_MAX_H && (H + st::RQ_MAX - 1) / st::RQ_MAX <= st::MAX_NQ;
 }
 
-// Rows from which the automatic mode takes the path: below it the per-row kernel is faster
-// (the stationary kernels read all weights once per CTA, whatever M; csrc/NOTES.md, v7).
-constexpr int kAutoMinRows = 32768;
-
-bool stationary_used(int mode, int M, int D, int H, bool gated) {
-  if (mode == 0 || !stationary_supported(D, H, gated)) return false;
-  return mode > 0 || M >= kAutoMinRows;
-}
+bool stationary_used(int mode, int D, int H, bool gated) { return mode == 1 && stationary_supported(D, H, gated); }
 
 static size_t up4(size_t w) { return (w + 3) & ~size_t(3); }
 

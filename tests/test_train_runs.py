@@ -124,8 +124,9 @@ def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, smoke_data):
     while time.time() < deadline and proc.poll() is None:
         latest = out / "ckpt" / "latest.json"
         if latest.is_file() and json.loads(latest.read_text())["step"] >= every and (out / "metrics.jsonl").is_file():
-            logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
-                      if '"kind": "train"' in x]
+            text = (out / "metrics.jsonl").read_text()
+            complete = text.splitlines()[:text.count("\n")]  # the run may be writing the last line right now
+            logged = [json.loads(x)["step"] for x in complete if '"kind": "train"' in x]
             if logged and logged[-1] >= every + 5:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
