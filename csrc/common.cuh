@@ -154,4 +154,44 @@ __device__ __forceinline__ uint4 ldg_nc(const void* p) {
   return r;
 }
 
+// rowcnt of a row that another kernel computes (the per-row kernels), in the plans of the union and
+// stationary paths.
+constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;
+
+// The dynamic shared memory, aligned to ALIGN bytes (1024 for 128-byte swizzled wgmma tiles).
+template <int ALIGN>
+__device__ __forceinline__ uint8_t* aligned_smem() {
+  extern __shared__ uint8_t raw[];
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + (ALIGN - 1)) & ~uintptr_t(ALIGN - 1));
+}
+
+// 16-byte copy global -> shared (cp.async); zero-filled when !valid (src is not read then).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// x . w over 8 columns: x in fp32, w 8 packed bf16.
+__device__ __forceinline__ float dot8(const float* x, const uint4& w) {
+  float s = x[0] * bf16lo(w.x);
+  s = fmaf(x[1], bf16hi(w.x), s);
+  s = fmaf(x[2], bf16lo(w.y), s);
+  s = fmaf(x[3], bf16hi(w.y), s);
+  s = fmaf(x[4], bf16lo(w.z), s);
+  s = fmaf(x[5], bf16hi(w.z), s);
+  s = fmaf(x[6], bf16lo(w.w), s);
+  s = fmaf(x[7], bf16hi(w.w), s);
+  return s;
+}
+
+// acc += s * w over 8 columns (w 8 packed bf16).
+__device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = fmaf(s, bf16lo(u[j]), acc[2 * j]);
+    acc[2 * j + 1] = fmaf(s, bf16hi(u[j]), acc[2 * j + 1]);
+  }
+}
+
 }  // namespace twell

@@ -130,18 +130,6 @@ __device__ __forceinline__ void load_x(RowF<CH>& x, const __nv_bfloat16* row, in
   }
 }
 
-__device__ __forceinline__ float dot8(const float* x, const uint4& w) {
-  float s = x[0] * bf16lo(w.x);
-  s = fmaf(x[1], bf16hi(w.x), s);
-  s = fmaf(x[2], bf16lo(w.y), s);
-  s = fmaf(x[3], bf16hi(w.y), s);
-  s = fmaf(x[4], bf16lo(w.z), s);
-  s = fmaf(x[5], bf16hi(w.z), s);
-  s = fmaf(x[6], bf16lo(w.w), s);
-  s = fmaf(x[7], bf16hi(w.w), s);
-  return s;
-}
-
 // x . w for a weight row in shared memory at `w`. All CH loads are issued before any math and the
 // CH partial sums are independent chains: no branch per chunk, so nothing serialises the loads.
 // Chunks past D read stage bytes that belong to no row (always inside the 8 KB stage since
@@ -163,15 +151,6 @@ __device__ __forceinline__ float dot_smem(const RowF<CH>& x, uint32_t w, int lan
 #pragma unroll
     for (int c = 0; c + step < CH; c += 2 * step) part[c] += part[c + step];
   return warp_sum(part[0]);
-}
-
-__device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
-  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] = fmaf(s, bf16lo(u[j]), acc[2 * j]);
-    acc[2 * j + 1] = fmaf(s, bf16hi(u[j]), acc[2 * j + 1]);
-  }
 }
 
 // acc += s * w for a weight row in shared memory. Columns past D accumulate bytes of no row; they
@@ -254,8 +233,7 @@ __device__ __forceinline__ void store_row(const float (&acc)[CH * 8], __nv_bfloa
 }
 
 __device__ __forceinline__ Smem& smem_ref() {
-  extern __shared__ uint8_t raw[];
-  return *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw) + 127) & ~uintptr_t(127));
+  return *reinterpret_cast<Smem*>(aligned_smem<128>());
 }
 
 __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {

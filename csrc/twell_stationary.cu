@@ -34,7 +34,6 @@ constexpr int DN_THREADS = 512;
 constexpr int DN_COLS = 16;          // output columns per down CTA (32-byte weight rows)
 constexpr int DN_MAX_H = 6400;       // down tile H x 32 B <= 200 KB
 constexpr int NPF = 4;               // entry words per lane prefetched per token (64 entries)
-constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;
 
 struct Params {
   const __nv_bfloat16* x;
@@ -62,10 +61,6 @@ inline Geometry geometry(int D, int H) {
   return g;
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
 }
@@ -84,11 +79,6 @@ __device__ __forceinline__ float ld_peer(uint32_t local, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(local), "r"(rank));
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
   return v;
-}
-
-__device__ __forceinline__ uint8_t* aligned_smem() {
-  extern __shared__ uint8_t raw[];
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 127) & ~uintptr_t(127));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -173,18 +163,6 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
 
 // ---------------------------------------------------------------------------------------------
 // up: CTA (blockIdx.x = d-chunk of 64 columns, blockIdx.y = quarter), clusters of CL d-chunks.
-__device__ __forceinline__ float dot8(const float* x, const uint4& w) {
-  float s = x[0] * bf16lo(w.x);
-  s = fmaf(x[1], bf16hi(w.x), s);
-  s = fmaf(x[2], bf16lo(w.y), s);
-  s = fmaf(x[3], bf16hi(w.y), s);
-  s = fmaf(x[4], bf16lo(w.z), s);
-  s = fmaf(x[5], bf16hi(w.z), s);
-  s = fmaf(x[6], bf16lo(w.w), s);
-  s = fmaf(x[7], bf16hi(w.w), s);
-  return s;
-}
-
 __device__ __forceinline__ void unpack8(float* f, const uint4& v) {
   f[0] = bf16lo(v.x); f[1] = bf16hi(v.x);
   f[2] = bf16lo(v.y); f[3] = bf16hi(v.y);
@@ -272,7 +250,7 @@ __device__ __forceinline__ void up_reduce(uint32_t buf, uint32_t s0, uint32_t m,
 }
 
 __global__ void __launch_bounds__(UP_THREADS, 1) up_kernel(const Params p) {
-  uint8_t* tile = aligned_smem();
+  uint8_t* tile = aligned_smem<128>();
   float* red = reinterpret_cast<float*>(tile + size_t(p.R) * 128);  // same offset in every CTA
   const int c = blockIdx.x, q = blockIdx.y, tid = threadIdx.x, cl = c / p.CL;
   const uint32_t rank = cluster_rank();
@@ -333,15 +311,6 @@ __global__ void finalize_kernel(const Params p, int NP) {
 // down: CTA c holds w_down_t[:, 16c .. 16c + 16); warp w takes rows in batches of 32 (batch
 // w, w + 16, ...). Lane = 2 * (lane pair) + half: lane pair lp takes entries lp, lp + 16, ...,
 // half selects 8 of the 16 columns.
-__device__ __forceinline__ void axpy8(float* acc, float s, const uint4& w) {
-  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] = fmaf(s, bf16lo(u[j]), acc[2 * j]);
-    acc[2 * j + 1] = fmaf(s, bf16hi(u[j]), acc[2 * j + 1]);
-  }
-}
-
 __device__ __forceinline__ void load_entries(uint32_t (&e)[NPF], const Params& p, int row, uint32_t n, int lp) {
 #pragma unroll
   for (int j = 0; j < NPF; ++j) {
@@ -351,7 +320,7 @@ __device__ __forceinline__ void load_entries(uint32_t (&e)[NPF], const Params& p
 }
 
 __global__ void __launch_bounds__(DN_THREADS, 1) down_kernel(const Params p) {
-  uint8_t* tile = aligned_smem();
+  uint8_t* tile = aligned_smem<128>();
   const int c = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   for (int i = tid; i < p.H * 2; i += DN_THREADS) {
     const int n = i >> 1, k = i & 1;

@@ -35,7 +35,6 @@ constexpr int DN_STAGE = A_BYTES + DN_B_BYTES;  // A keeps the 128-byte row layo
 constexpr int DN_STAGES = 4;
 constexpr int DCHUNK = 2 * NW;              // output columns per down item
 constexpr int MAX_SLOT = 8192;              // union ids held in shared memory by the down kernel
-constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;  // rowcnt of a row that another kernel computes
 
 // Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
 __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
@@ -55,11 +54,6 @@ struct Params {
   float ratio;
 };
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 // The barrier receives one arrival from this thread once all its earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
@@ -75,11 +69,6 @@ __device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.
 __device__ __forceinline__ void wg_sync(int g) {
   if (g == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
   else asm volatile("bar.sync 2, 128;" ::: "memory");
-}
-
-__device__ __forceinline__ uint8_t* aligned_smem() {
-  extern __shared__ uint8_t raw[];
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -233,7 +222,7 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return uint32_t(r * 128
 
 __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   if (blockIdx.x >= *reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) return;
-  uint8_t* smem = aligned_smem();
+  uint8_t* smem = aligned_smem<1024>();
   int* nrow = reinterpret_cast<int*>(smem + UP_STAGES * UP_STAGE);  // [2 * NW] neuron of each B row
   uint64_t* full = reinterpret_cast<uint64_t*>(nrow + 2 * NW);
   uint64_t* empty = full + UP_STAGES;
@@ -337,7 +326,7 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int n_items = p.D / DCHUNK;
   const int ubi = blockIdx.x / n_items, qd = blockIdx.x % n_items;
   if (ubi >= int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1]))) return;
-  uint8_t* smem = aligned_smem();
+  uint8_t* smem = aligned_smem<1024>();
   uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + DN_STAGES * DN_STAGE);  // [UB][ROW_CAP]
   uint16_t* ids = reinterpret_cast<uint16_t*>(ent_s + UB * ROW_CAP);           // [MAX_SLOT]
   uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_SLOT);

@@ -254,11 +254,12 @@ def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
     check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
 
 
-def test_union_ratio_setting_is_checked(monkeypatch):
+@pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_STATIONARY", "yes")])
+def test_path_settings_are_checked(variable, bad, monkeypatch):
     x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
     gate = kernels.twell_gate(x, wg)
-    monkeypatch.setenv("TWELL_UNION_RATIO", "fast")
-    with pytest.raises(RuntimeError, match="TWELL_UNION_RATIO"):
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(RuntimeError, match=variable):
         kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
 
 
@@ -291,14 +292,6 @@ def test_stationary_path_falls_back_where_unsupported(monkeypatch):
     x, wg, wu, wd = inputs(257, 256, 7000, nnz=29)
     gate = kernels.twell_gate(x, wg)
     check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
-
-
-def test_stationary_setting_is_checked(monkeypatch):
-    x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
-    gate = kernels.twell_gate(x, wg)
-    monkeypatch.setenv("TWELL_STATIONARY", "yes")
-    with pytest.raises(RuntimeError, match="TWELL_STATIONARY"):
-        kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
 
 
 @pytest.mark.parametrize("M,D,H", [(100, 256, 300), (4096, 2048, 5632)])
