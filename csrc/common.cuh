@@ -119,25 +119,52 @@ __device__ __forceinline__ TileEntries resolve_tile(uint32_t w, const uint32_t* 
   return {w, seg + 1, w <= uint32_t(S - 1)};
 }
 
-// One row's entries, tile after tile, copied to dst by the whole warp (lane t resolves tiles
-// t, t + 32, ...). words: the row's n_tiles * S TwELL words (global or shared memory). Returns the
-// number of entries, or -1 when there are more than cap or a tile overflowed without a spill copy.
+// One row's entries, tile after tile, written to dst (shared or global memory) by the whole warp,
+// straight from the row's n_tiles * S TwELL words in global memory, in two round trips: the tiles'
+// count words (lane t resolves tiles t, t + 32, ...), then every entry word at once (one load per
+// lane per 32 entries). Returns the number of entries, or -1 when there are more than CAP or a tile
+// overflowed without a spill copy.
+template <int CAP>
 __device__ __forceinline__ int row_entries(uint32_t* dst, const uint32_t* words, const uint32_t* spill, int n_tiles,
-                                           int S, int cap, int lane) {
+                                           int S, int lane) {
   int n = 0;
   for (int tb = 0; tb < n_tiles; tb += 32) {
     const int t = tb + lane;
-    TileEntries te{0u, nullptr, true};
-    if (t < n_tiles) te = resolve_tile(words[t * S], words + t * S, spill, S);
-    if (__any_sync(0xffffffffu, !te.stored)) return -1;
-    const uint32_t incl = warp_incl_scan(te.count, lane);
+    uint32_t count = 0, first = 0;  // first: the entry's word in the row, or SPILL_BIT | its spill index
+    bool stored = true;
+    if (t < n_tiles) {
+      const uint32_t w = __ldg(words + size_t(t) * S);
+      if ((w & SPILL_BIT) && spill != nullptr) {
+        count = __ldg(spill + (w & ~SPILL_BIT));
+        first = SPILL_BIT | ((w & ~SPILL_BIT) + 1);
+      } else {
+        count = w;
+        first = uint32_t(t * S + 1);
+        stored = w <= uint32_t(S - 1);
+      }
+    }
+    if (__any_sync(0xffffffffu, !stored)) return -1;
+    const uint32_t incl = warp_incl_scan(count, lane);
     const int total = int(__shfl_sync(0xffffffffu, incl, 31));
-    if (n + total > cap) return -1;
-    uint32_t* d = dst + n + (incl - te.count);
-    for (uint32_t j = 0; j < te.count; ++j) d[j] = te.entries[j];  // shared memory or the (rare) spill area
+    if (n + total > CAP) return -1;
+    uint32_t* d = dst + n + (incl - count);
+    for (uint32_t j = 0; j < count; ++j) d[j] = first + j;
     n += total;
   }
-  __syncwarp();  // the entries written by the other lanes are visible to the whole warp
+  __syncwarp();  // the word indices written by the other lanes are visible to the whole warp
+  uint32_t v[(CAP + 31) / 32];
+#pragma unroll
+  for (int k = 0; k < (CAP + 31) / 32; ++k) {
+    const int i = 32 * k + lane;
+    if (i < n) {
+      const uint32_t r = dst[i];
+      v[k] = (r & SPILL_BIT) ? __ldg(spill + (r & ~SPILL_BIT)) : __ldg(words + r);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < (CAP + 31) / 32; ++k)
+    if (32 * k + lane < n) dst[32 * k + lane] = v[k];
+  __syncwarp();
   return n;
 }
 

@@ -58,9 +58,8 @@ struct Params {
 
 struct Smem {
   alignas(128) uint8_t ring[WARPS][K][STAGE];
-  uint32_t list[WARPS][LIST_CAP];
+  uint32_t list[WARPS][2][LIST_CAP];  // [1]: the next row's entries (stream kernel)
   uint64_t bar[WARPS][K];
-  uint64_t twbar[WARPS];
 };
 constexpr int SMEM_BYTES = sizeof(Smem) + 128;
 
@@ -239,69 +238,86 @@ __device__ __forceinline__ Smem& smem_ref() {
 __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
   if (lane == 0) {
     for (int s = 0; s < K; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&sm.bar[warp][s])));
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&sm.twbar[warp])));
   }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncwarp();
   return Ring{sm.ring[warp][0], sm.bar[warp], 0, 0};
 }
 
-// One light row: TwELL words -> entry list -> fused up/down; heavy rows are queued instead.
-template <int CH, bool GATED, bool FULL>
-__device__ __forceinline__ void light_row(int row, Ring& ring, uint32_t* list, uint64_t* twbar,
-                                          uint32_t& tw_phase, const Params& p, int lane) {
-  const uint32_t row_bytes = uint32_t(p.n_tiles * p.S) * 4;
-  // Heavy path when the row's words do not fit the ring, or when the bulk copy cannot take them
-  // (its size must be a multiple of 16 bytes: S = 2 with an odd tile count is not).
-  if (row_bytes > uint32_t(K * STAGE) || row_bytes % 16 != 0) {
+// The warp's next light row from the device queue, its entries decoded into dst (*n of them); heavy
+// rows met on the way are queued for the heavy kernel. -1 when the queue is empty.
+__device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_rows, const Params& p, int lane) {
+  for (;;) {
+    uint32_t idx = lane == 0 ? atomicAdd(p.heavy + 1, 1u) : 0u;
+    idx = __shfl_sync(0xffffffffu, idx, 0);
+    if (idx >= n_rows) return -1;
+    const int row = int(p.light_rows ? p.light_rows[idx] : idx);
+    *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
+    if (*n >= 0) return row;
     if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
-    return;
   }
-  // The ring is drained here: borrow it for the row's TwELL words (one bulk copy).
-  if (lane == 0) {
-    fence_async_smem();
-    mbar_expect_tx(twbar, row_bytes);
-    bulk_copy(ring.buf, p.tw + size_t(row) * p.n_tiles * p.S, row_bytes, twbar);
-  }
-  RowF<CH> x;
-  __syncwarp();  // converged for load_x's shuffles
-  load_x(x, p.x + size_t(row) * p.D, lane, p.D);  // in flight with the copy
-  mbar_wait(twbar, tw_phase);
-  tw_phase ^= 1;
-  // Entry list from the row's words (more than LIST_CAP entries, or an overflow without a spill
-  // copy: -1, the row is heavy).
-  const int n = row_entries(list, reinterpret_cast<const uint32_t*>(ring.buf), p.spill, p.n_tiles, p.S, LIST_CAP, lane);
-  if (n < 0) {
-    if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
-    return;
-  }
-  float acc[CH * 8];
-#pragma unroll
-  for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
-  run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
-  store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
 }
 
-// Light kernel: one warp per row. Warps take rows from a device counter instead of a fixed
-// stride, so uneven row lengths (heavy tails) do not leave a few warps finishing long after the
-// others; each warp asks for its next row while it works on the current one.
+// Light kernel: one warp per row, rows taken from a device counter (uneven row lengths do not leave
+// a few warps finishing long after the others). v8: the ring is not drained at row boundaries. Each
+// warp decodes its next row (from global memory) while the current row's weight copies are in
+// flight, and issues the next row's first pairs as the current row's last ones are consumed.
 template <int CH, bool GATED, bool FULL>
 __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Ring ring = init_ring(sm, warp, lane);
-  uint32_t* list = sm.list[warp];
-  uint64_t* twbar = &sm.twbar[warp];
-  uint32_t tw_phase = 0;
-  uint32_t* next_row = p.heavy + 1;
   const uint32_t n_rows = p.light_rows ? *reinterpret_cast<const volatile uint32_t*>(p.n_light) : uint32_t(p.M);
-  uint32_t idx = lane == 0 ? atomicAdd(next_row, 1u) : 0u;
-  idx = __shfl_sync(0xffffffffu, idx, 0);
-  while (idx < n_rows) {
-    const uint32_t next = lane == 0 ? atomicAdd(next_row, 1u) : 0u;  // latency hidden by this row
-    const uint32_t row = p.light_rows ? p.light_rows[idx] : idx;
-    light_row<CH, GATED, FULL>(int(row), ring, list, twbar, tw_phase, p, lane);
-    idx = __shfl_sync(0xffffffffu, next, 0);
+  int cur = 0, n_cur = 0;
+  int row = take_light_row(sm.list[warp][0], &n_cur, n_rows, p, lane);
+  int issued_cur = 0;  // entries of the current row already in the ring (lane 0's count)
+  while (row >= 0) {
+    const uint32_t* list = sm.list[warp][cur];
+    uint32_t* next_list = sm.list[warp][cur ^ 1];
+    if (lane == 0)
+      while (issued_cur < n_cur && ring.issued - ring.consumed < uint32_t(K)) ring_issue(ring, p, list[issued_cur++], GATED);
+    // x in flight while the next row is decoded (raw loads first, converted after).
+    uint4 xr[CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const int col = 8 * (32 * c + lane);
+      xr[c] = GATED && n_cur > 0 && col < p.D ? ldg_nc(p.x + size_t(row) * p.D + col) : make_uint4(0, 0, 0, 0);
+    }
+    int n_next = 0;
+    const int row_next = take_light_row(next_list, &n_next, n_rows, p, lane);
+    int issued_next = 0;
+    if (lane == 0)
+      while (issued_cur == n_cur && issued_next < n_next && ring.issued - ring.consumed < uint32_t(K))
+        ring_issue(ring, p, next_list[issued_next++], GATED);
+    RowF<CH> x;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      const uint32_t u[4] = {xr[c].x, xr[c].y, xr[c].z, xr[c].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // identity shuffles: see load_x
+        x.v[8 * c + 2 * j] = __shfl_sync(0xffffffffu, bf16lo(u[j]), lane);
+        x.v[8 * c + 2 * j + 1] = __shfl_sync(0xffffffffu, bf16hi(u[j]), lane);
+      }
+    }
+    float acc[CH * 8];
+#pragma unroll
+    for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
+    for (int e = 0; e < n_cur; ++e) {
+      const uint32_t stage = ring_wait(ring);
+      float s = entry_value(list[e]);
+      if (GATED) s *= dot_smem<CH, FULL>(x, stage, lane, p.D);
+      axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane);
+      __syncwarp();
+      if (lane == 0) {
+        if (issued_cur < n_cur) ring_issue(ring, p, list[issued_cur++], GATED);
+        else if (issued_next < n_next) ring_issue(ring, p, next_list[issued_next++], GATED);
+      }
+    }
+    store_row<CH>(acc, p.out + size_t(row) * p.D, lane, p.D);
+    row = row_next;
+    n_cur = n_next;
+    issued_cur = issued_next;
+    cur ^= 1;
   }
 }
 
@@ -311,7 +327,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Ring ring = init_ring(sm, warp, lane);
-  uint32_t* list = sm.list[warp];
+  uint32_t* list = sm.list[warp][0];
   const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
   for (uint32_t h = blockIdx.x; h < n_heavy; h += gridDim.x) {
     const int row = int(p.heavy[2 + h]);

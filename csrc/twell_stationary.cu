@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
     uint32_t n_row = NOT_HERE;
     if (row < p.M) {
       uint32_t* ent = p.w.ent + size_t(row) * ROW_CAP;
-      const int n = row_entries(ent, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, ROW_CAP, lane);
+      const int n = row_entries<ROW_CAP>(ent, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
       if (n >= 0) {
         for (int i = lane; i < n; i += 32) atomicAdd(&cq[rr][entry_col(ent[i]) / p.R], 1u);
         n_row = uint32_t(n);
