@@ -130,20 +130,15 @@ __device__ __forceinline__ int row_entries(uint32_t* dst, const uint32_t* words,
   int n = 0;
   for (int tb = 0; tb < n_tiles; tb += 32) {
     const int t = tb + lane;
-    uint32_t count = 0, first = 0;  // first: the entry's word in the row, or SPILL_BIT | its spill index
-    bool stored = true;
+    TileEntries te{0u, nullptr, true};
+    uint32_t first = 0;  // the first entry's word in the row, or SPILL_BIT | its index in the spill area
     if (t < n_tiles) {
-      const uint32_t w = __ldg(words + size_t(t) * S);
-      if ((w & SPILL_BIT) && spill != nullptr) {
-        count = __ldg(spill + (w & ~SPILL_BIT));
-        first = SPILL_BIT | ((w & ~SPILL_BIT) + 1);
-      } else {
-        count = w;
-        first = uint32_t(t * S + 1);
-        stored = w <= uint32_t(S - 1);
-      }
+      const uint32_t* seg = words + size_t(t) * S;
+      te = resolve_tile(__ldg(seg), seg, spill, S);
+      first = te.entries == seg + 1 ? uint32_t(t * S + 1) : SPILL_BIT | uint32_t(te.entries - spill);
     }
-    if (__any_sync(0xffffffffu, !stored)) return -1;
+    if (__any_sync(0xffffffffu, !te.stored)) return -1;
+    const uint32_t count = te.count;
     const uint32_t incl = warp_incl_scan(count, lane);
     const int total = int(__shfl_sync(0xffffffffu, incl, 31));
     if (n + total > CAP) return -1;

@@ -58,7 +58,7 @@ struct Params {
 
 struct Smem {
   alignas(128) uint8_t ring[WARPS][K][STAGE];
-  uint32_t list[WARPS][2][LIST_CAP];  // [1]: the next row's entries (stream kernel)
+  uint32_t list[WARPS][2][LIST_CAP];  // light kernel: current and next row's entries; heavy: [0]
   uint64_t bar[WARPS][K];
 };
 constexpr int SMEM_BYTES = sizeof(Smem) + 128;
@@ -113,12 +113,10 @@ struct RowF {
 };
 
 template <int CH>
-__device__ __forceinline__ void load_x(RowF<CH>& x, const __nv_bfloat16* row, int lane, int D) {
+__device__ __forceinline__ void to_f32(RowF<CH>& x, const Row<CH>& r, int lane) {
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
-    const int col = 8 * (32 * c + lane);
-    const uint4 w = col < D ? ldg_nc(row + col) : make_uint4(0, 0, 0, 0);
-    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t u[4] = {r.v[c].x, r.v[c].y, r.v[c].z, r.v[c].w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // Identity shuffles: the compiler would otherwise keep x packed and redo the two-instruction
@@ -127,6 +125,13 @@ __device__ __forceinline__ void load_x(RowF<CH>& x, const __nv_bfloat16* row, in
       x.v[8 * c + 2 * j + 1] = __shfl_sync(0xffffffffu, bf16hi(u[j]), lane);
     }
   }
+}
+
+template <int CH>
+__device__ __forceinline__ void load_x(RowF<CH>& x, const __nv_bfloat16* row, int lane, int D) {
+  Row<CH> r;
+  load_row_global(r, row, lane, D);
+  to_f32(x, r, lane);
 }
 
 // x . w for a weight row in shared memory at `w`. All CH loads are issued before any math and the
@@ -163,6 +168,17 @@ __device__ __forceinline__ void axpy_smem(float (&acc)[CH * 8], float s, uint32_
   for (int c = 0; c < CH; ++c) axpy8(acc + 8 * c, s, v[c]);
 }
 
+// acc += the contribution of TwELL entry `entry`, whose weight rows are the ring's next stage.
+template <int CH, bool GATED, bool FULL>
+__device__ __forceinline__ void consume_pair(float (&acc)[CH * 8], const RowF<CH>& x, uint32_t entry, Ring& r,
+                                             const Params& p, int lane) {
+  const uint32_t stage = ring_wait(r);
+  float s = entry_value(entry);
+  if (GATED) s *= dot_smem<CH, FULL>(x, stage, lane, p.D);
+  axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane);
+  __syncwarp();  // every lane is done with the stage before lane 0 refills it
+}
+
 // out += contributions of list[0..n) (TwELL entries) through the warp's ring.
 // FULL: D == 256 * CH, so no chunk reaches past D (the D = 2048 of every paper scale).
 template <int CH, bool GATED, bool FULL>
@@ -171,12 +187,7 @@ __device__ void run_list(float (&acc)[CH * 8], const RowF<CH>& x, const uint32_t
   if (lane == 0)
     for (int e = 0; e < n && e < K; ++e) ring_issue(r, p, list[e], GATED);
   for (int e = 0; e < n; ++e) {
-    const uint32_t stage = ring_wait(r);
-    const uint32_t entry = list[e];
-    float s = entry_value(entry);
-    if (GATED) s *= dot_smem<CH, FULL>(x, stage, lane, p.D);
-    axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane);
-    __syncwarp();
+    consume_pair<CH, GATED, FULL>(acc, x, list[e], r, p, lane);
     if (lane == 0 && e + K < n) ring_issue(r, p, list[e + K], GATED);
   }
 }
@@ -277,12 +288,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
     if (lane == 0)
       while (issued_cur < n_cur && ring.issued - ring.consumed < uint32_t(K)) ring_issue(ring, p, list[issued_cur++], GATED);
     // x in flight while the next row is decoded (raw loads first, converted after).
-    uint4 xr[CH];
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int col = 8 * (32 * c + lane);
-      xr[c] = GATED && n_cur > 0 && col < p.D ? ldg_nc(p.x + size_t(row) * p.D + col) : make_uint4(0, 0, 0, 0);
-    }
+    Row<CH> xr{};
+    if (GATED && n_cur > 0) load_row_global(xr, p.x + size_t(row) * p.D, lane, p.D);
     int n_next = 0;
     const int row_next = take_light_row(next_list, &n_next, n_rows, p, lane);
     int issued_next = 0;
@@ -290,24 +297,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
       while (issued_cur == n_cur && issued_next < n_next && ring.issued - ring.consumed < uint32_t(K))
         ring_issue(ring, p, next_list[issued_next++], GATED);
     RowF<CH> x;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const uint32_t u[4] = {xr[c].x, xr[c].y, xr[c].z, xr[c].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // identity shuffles: see load_x
-        x.v[8 * c + 2 * j] = __shfl_sync(0xffffffffu, bf16lo(u[j]), lane);
-        x.v[8 * c + 2 * j + 1] = __shfl_sync(0xffffffffu, bf16hi(u[j]), lane);
-      }
-    }
+    to_f32(x, xr, lane);
     float acc[CH * 8];
 #pragma unroll
     for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
     for (int e = 0; e < n_cur; ++e) {
-      const uint32_t stage = ring_wait(ring);
-      float s = entry_value(list[e]);
-      if (GATED) s *= dot_smem<CH, FULL>(x, stage, lane, p.D);
-      axpy_smem<CH>(acc, s, stage + (GATED ? 2 * p.D : 0), lane);
-      __syncwarp();
+      consume_pair<CH, GATED, FULL>(acc, x, list[e], ring, p, lane);
       if (lane == 0) {
         if (issued_cur < n_cur) ring_issue(ring, p, list[issued_cur++], GATED);
         else if (issued_next < n_next) ring_issue(ring, p, next_list[issued_next++], GATED);
