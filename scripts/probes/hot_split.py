@@ -37,8 +37,19 @@ def split(wg, wu, wd, hot):
         k=int(hot.sum()))
 
 
+def case_inputs(M, D, H, nnz, tail):
+    """Generator inputs: the timed rows x, the calibration rows xc, the weights and w_down^T."""
+    inp = calibrated_ffn_inputs(M + CAL, D, H, nnz, tail, seed=0, device="cuda")
+    return inp.x[:M].contiguous(), inp.x[M:].contiguous(), inp.w_gate, inp.w_up, inp.w_down, inp.w_down.t().contiguous()
+
+
+def cold(x, s):
+    """The TwELL kernels over the cold neurons only."""
+    return kernels.twell_gated_ffn(x, kernels.twell_gate(x, s["wg_cold"]), s["wu_cold"], s["wdt_cold"])
+
+
 def hybrid(x, s):
-    out = kernels.twell_gated_ffn(x, kernels.twell_gate(x, s["wg_cold"]), s["wu_cold"], s["wdt_cold"])
+    out = cold(x, s)
     if s["k"] == 0:
         return out
     g, u = F.linear(x, s["w_gu_hot"]).split(s["k"], dim=1)
@@ -47,7 +58,7 @@ def hybrid(x, s):
 
 def hybrid_inplace(x, s):
     """As hybrid, without temporaries: relu and the product in place, the down part added in place."""
-    out = kernels.twell_gated_ffn(x, kernels.twell_gate(x, s["wg_cold"]), s["wu_cold"], s["wdt_cold"])
+    out = cold(x, s)
     if s["k"] == 0:
         return out
     g = F.linear(x, s["wg_hot"]).relu_().mul_(F.linear(x, s["wu_hot"]))
@@ -58,10 +69,7 @@ def main(M=65536, D=2048, H=5632):
     print("case,threshold,hot_neurons,hot_share_of_pairs,dense_ms,sparse_ms,hybrid_ms,speedup_sparse,speedup_hybrid,"
           "rel_err_sparse,rel_err_hybrid,hybrid_inplace_ms,speedup_hybrid_inplace,rel_err_hybrid_inplace")
     for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
-        inp = calibrated_ffn_inputs(M + CAL, D, H, nnz, tail, seed=0, device="cuda")
-        x, xc = inp.x[:M].contiguous(), inp.x[M:].contiguous()
-        wg, wu, wd = inp.w_gate, inp.w_up, inp.w_down
-        wdt = wd.t().contiguous()
+        x, xc, wg, wu, wd, wdt = case_inputs(M, D, H, nnz, tail)
         freq = (F.linear(xc, wg) > 0).float().mean(0)
         act = (F.linear(x, wg) > 0).sum(0).float()  # pairs per neuron on the timed rows (for the share)
         ref = F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
@@ -83,7 +91,7 @@ def main(M=65536, D=2048, H=5632):
             print(f"nnz{nnz}-tail{tail},{th},{s['k']},{share:.3f},{d:.3f},{sp:.3f},{hy:.3f},{d / sp:.2f},{d / hy:.2f},"
                   f"{err_sparse:.2e},{err_h:.2e},{hi:.3f},{d / hi:.2f},{err_hi:.2e}", flush=True)
             del s
-        del inp, x, xc, ref
+        del x, xc, ref
         torch.cuda.empty_cache()
 
 
@@ -91,10 +99,7 @@ def parts(M=65536, D=2048, H=5632):
     """Each piece of the hybrid alone, at one threshold per case."""
     print("case,threshold,hot_neurons,piece,ms")
     for nnz, tail, th in [(8, 0.1, 0.02), (29, 0.1, 0.02), (64, 0.1, 0.01)]:
-        inp = calibrated_ffn_inputs(M + CAL, D, H, nnz, tail, seed=0, device="cuda")
-        x, xc = inp.x[:M].contiguous(), inp.x[M:].contiguous()
-        wg, wu, wd = inp.w_gate, inp.w_up, inp.w_down
-        wdt = wd.t().contiguous()
+        x, xc, wg, wu, wd, wdt = case_inputs(M, D, H, nnz, tail)
         s = split(wg, wu, wd, (F.linear(xc, wg) > 0).float().mean(0) > th)
         k = s["k"]
         gate_all, gate_cold = kernels.twell_gate(x, wg), kernels.twell_gate(x, s["wg_cold"])
@@ -116,7 +121,7 @@ def parts(M=65536, D=2048, H=5632):
         }, "cuda", reps=30)
         for name, r in t.items():
             print(f"nnz{nnz}-tail{tail},{th},{k},{name},{r.median_ms:.3f}", flush=True)
-        del inp, x, xc, s, gate_all, gate_cold, out, g, u, h, hc
+        del x, xc, s, gate_all, gate_cold, out, g, u, h, hc
         torch.cuda.empty_cache()
 
 

@@ -18,7 +18,8 @@
 // length instead of the longest of 32 random ones); entries and counts are stored in that order and
 // loaded one block ahead.
 //
-// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o stationary_loop stationary_loop.cu
+// Build (in scripts/probes, next to stationary_probe.cuh):
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o stationary_loop stationary_loop.cu
 // Prints: case, mean and max entries per (row, slice), ms per loop, and MAC per clock per SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,27 +34,10 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                     \
-  do {                                                                            \
-    cudaError_t e = (x);                                                          \
-    if (e != cudaSuccess) {                                                       \
-      printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__);                 \
-      exit(1);                                                                    \
-    }                                                                             \
-  } while (0)
-
-constexpr int M = 65536, D = 2048, H = 5632;
-constexpr int NQ = 4, R = H / NQ, DC = 64, NC = D / DC;
-constexpr int THREADS = 512;
-constexpr int TILE_BYTES = R * DC * 2;
+#include "stationary_probe.cuh"
 
 __device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
 
 struct P {
   const uint4* tiles;       // [NQ * NC] tiles of TILE_BYTES
@@ -64,16 +48,6 @@ struct P {
   int cap;
   float* sink;
 };
-
-__device__ __forceinline__ uint32_t load_tile(const uint4* tiles, int q, int c) {
-  extern __shared__ uint4 sm[];
-  const uint4* src = tiles + size_t(q * NC + c) * (TILE_BYTES / 16);
-  for (int i = threadIdx.x; i < TILE_BYTES / 16; i += blockDim.x) sm[i] = __ldg(src + i);
-  __syncthreads();
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(sm));
-  return a;
-}
 
 template <bool UP>
 __global__ void __launch_bounds__(THREADS, 1) loop_kernel(const P p) {
@@ -287,27 +261,6 @@ __global__ void __launch_bounds__(THREADS, 1) mma_down_staged_kernel(const PM p)
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   if (chk == 1234.5f) p.sink[0] = chk;
-}
-
-// Median of 10 timed launches (CUDA events) after 2 warm-up launches.
-template <class F>
-float median_ms(F launch) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int r = 0; r < 12; ++r) {
-    CK(cudaEventRecord(a));
-    launch();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 2) t.push_back(ms);
-  }
-  CK(cudaGetLastError());
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 int main() {

@@ -22,7 +22,8 @@
 // Results are folded into a checksum: this times the loops only, not the plan, nor the reductions
 // over slices (down) and column chunks (up) that a full design adds.
 //
-// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o stationary_mma stationary_mma.cu
+// Build (in scripts/probes, next to stationary_probe.cuh):
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o stationary_mma stationary_mma.cu
 // Prints: case, loop, order, records per pair, ms, MAC per clock per SM (useful MACs only).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,19 +37,9 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                     \
-  do {                                                            \
-    cudaError_t e = (x);                                          \
-    if (e != cudaSuccess) {                                       \
-      printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); \
-      exit(1);                                                    \
-    }                                                             \
-  } while (0)
+#include "stationary_probe.cuh"
 
-constexpr int M = 65536, D = 2048, H = 5632;
-constexpr int NQ = 4, R = H / NQ, DC = 64, NC = D / DC;
-constexpr int THREADS = 512, WARPS = THREADS / 32;
-constexpr int TILE_BYTES = R * DC * 2;
+constexpr int WARPS = THREADS / 32;
 constexpr int TB = 8;            // tokens per block (the MMA's N)
 constexpr int NB = M / TB;       // blocks per slice
 
@@ -59,16 +50,6 @@ struct P {
   const __nv_bfloat16* x;  // [M][D]
   float* sink;
 };
-
-__device__ __forceinline__ uint32_t load_tile(const uint4* tiles, int q, int c) {
-  extern __shared__ __align__(1024) uint4 sm[];
-  const uint4* src = tiles + size_t(q * NC + c) * (TILE_BYTES / 16);
-  for (int i = threadIdx.x; i < TILE_BYTES / 16; i += blockDim.x) sm[i] = __ldg(src + i);
-  __syncthreads();
-  uint32_t a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(sm));
-  return a;
-}
 
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -96,6 +77,59 @@ __device__ __forceinline__ uint32_t own(uint32_t r, uint32_t g13) {
   return ((r ^ g13) & 0xE000u) == 0 ? (r >> 16) : 0u;
 }
 
+// One down k-step: B from the lane's records (k = 2t, 2t+1 in rb0, 2t+8, 2t+9 in rb1), W^T gathered
+// at record ra's row, 4 column pairs.
+__device__ __forceinline__ void down_kstep(float (&acc)[4][4], uint32_t tile, uint32_t ra, uint2 rb0, uint2 rb1,
+                                           uint32_t ch, uint32_t g13) {
+  const uint32_t a0 = rec_addr(tile, ra, ch);
+  const uint32_t b0 = own(rb0.x, g13) | (own(rb0.y, g13) << 16);
+  const uint32_t b1 = own(rb1.x, g13) | (own(rb1.y, g13) << 16);
+#pragma unroll
+  for (int jt = 0; jt < 4; ++jt) {
+    uint32_t a[4];
+    ldsm4t(a, a0 ^ (uint32_t(jt) << 5));
+    mma(acc[jt], a, b0, b1);
+  }
+}
+
+// Folds a block's down accumulators into the checksum.
+__device__ __forceinline__ void fold(float& chk, const float (&acc)[4][4]) {
+#pragma unroll
+  for (int jt = 0; jt < 4; ++jt) chk += (acc[jt][0] + acc[jt][1]) * float(jt + 1) + (acc[jt][2] - acc[jt][3]);
+}
+
+// One up k-step: the partials of 16 records against the block's 8 tokens, W gathered at record ra's
+// row, over CHAINS independent MMA chains (summed at the end); then each record's own partial (rows
+// g and g + 8: records cg, cg8) folded into the checksum by the lane that holds it.
+template <int CHAINS>
+__device__ __forceinline__ void up_kstep(float& chk, uint32_t tile, uint32_t ra, uint32_t cg, uint32_t cg8,
+                                         const uint32_t (&xf)[8], uint32_t ch, int t) {
+  const uint32_t a0 = rec_addr(tile, ra, ch);
+  float acc[CHAINS][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    uint32_t a[4];
+    ldsm4(a, a0 ^ (uint32_t(ks) << 5));
+    mma(acc[ks % CHAINS], a, xf[2 * ks], xf[2 * ks + 1]);
+  }
+#pragma unroll
+  for (int u = 1; u < CHAINS; ++u)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[0][j] += acc[u][j];
+  // Record g's partial sits at column (its token) of row g: lane t = token / 2, c0 or c1.
+  const uint32_t tg = (cg >> 13) & 7u, tg8 = (cg8 >> 13) & 7u;
+  const float u0 = (tg & 1u) ? acc[0][1] : acc[0][0], u1 = (tg8 & 1u) ? acc[0][3] : acc[0][2];
+  if ((tg >> 1) == uint32_t(t)) chk = fmaf(u0, __uint_as_float(cg & 0xFFFF0000u), chk);
+  if ((tg8 >> 1) == uint32_t(t)) chk = fmaf(u1, __uint_as_float(cg8 & 0xFFFF0000u), chk);
+}
+
+// x^T fragments of block b's 8 tokens, 64 columns of chunk c: lane (g, t) gets x[token g][8 j + 2t, +1].
+__device__ __forceinline__ void load_xf(uint32_t (&xf)[8], const P& p, int b, int c, int g, int t) {
+  const uint32_t* xr = reinterpret_cast<const uint32_t*>(p.x + size_t(b * TB + g) * D + c * DC);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) xf[j] = __ldg(xr + 4 * j + t);
+}
+
 // ---------------------------------------------------------------------------------------------
 // down: warp takes blocks w, w + WARPS, ...; per k-step lane l addresses record (l & 7) + 8 (l >> 4),
 // column half (l >> 3) & 1 (ldmatrix.trans: matrices = {k 0-7, k 8-15} x {cols 0-7, 8-15}).
@@ -120,24 +154,17 @@ __global__ void __launch_bounds__(THREADS, 1) down_kernel(const P p) {
       rb1 = __ldg(reinterpret_cast<const uint2*>(r + 2 * t + 8));
     }
     for (uint32_t s = s0; s < s1; s += 16) {
-      const uint32_t a0 = rec_addr(tile, ra, ch);
-      const uint32_t b0 = own(rb0.x, g13) | (own(rb0.y, g13) << 16);
-      const uint32_t b1 = own(rb1.x, g13) | (own(rb1.y, g13) << 16);
+      const uint32_t cra = ra;
+      const uint2 crb0 = rb0, crb1 = rb1;
       if (s + 16 < s1) {  // next k-step's records, one step ahead
         const uint32_t* r = p.rec + s + 16;
         ra = __ldg(r + ka);
         rb0 = __ldg(reinterpret_cast<const uint2*>(r + 2 * t));
         rb1 = __ldg(reinterpret_cast<const uint2*>(r + 2 * t + 8));
       }
-#pragma unroll
-      for (int jt = 0; jt < 4; ++jt) {
-        uint32_t a[4];
-        ldsm4t(a, a0 ^ (uint32_t(jt) << 5));
-        mma(acc[jt], a, b0, b1);
-      }
+      down_kstep(acc, tile, cra, crb0, crb1, ch, g13);
     }
-#pragma unroll
-    for (int jt = 0; jt < 4; ++jt) chk += (acc[jt][0] + acc[jt][1]) * float(jt + 1) + (acc[jt][2] - acc[jt][3]);
+    fold(chk, acc);
   }
   if (chk == 1234.5f) p.sink[0] = chk;
 }
@@ -156,34 +183,20 @@ __global__ void __launch_bounds__(THREADS, 1) up_kernel(const P p) {
   float chk = 0.f;
   for (int b = warp; b < NB; b += WARPS) {
     const uint32_t s0 = bo[b], s1 = bo[b + 1];
-    const uint32_t* xr = reinterpret_cast<const uint32_t*>(p.x + size_t(b * TB + g) * D + c * DC);
     uint32_t xf[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) xf[j] = __ldg(xr + 4 * j + t);
+    load_xf(xf, p, b, c, g, t);
     uint32_t ra = 0, rg = 0, rg8 = 0;
     if (s0 < s1) {
       const uint32_t* r = p.rec + s0;
       ra = __ldg(r + ka); rg = __ldg(r + g); rg8 = __ldg(r + g + 8);
     }
     for (uint32_t s = s0; s < s1; s += 16) {
-      const uint32_t a0 = rec_addr(tile, ra, ch);
-      const uint32_t cg = rg, cg8 = rg8;
+      const uint32_t cra = ra, cg = rg, cg8 = rg8;
       if (s + 16 < s1) {
         const uint32_t* r = p.rec + s + 16;
         ra = __ldg(r + ka); rg = __ldg(r + g); rg8 = __ldg(r + g + 8);
       }
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        uint32_t a[4];
-        ldsm4(a, a0 ^ (uint32_t(ks) << 5));
-        mma(acc, a, xf[2 * ks], xf[2 * ks + 1]);
-      }
-      // Record g's partial sits at column (its token) of row g: lane t = token / 2, c0 or c1.
-      const uint32_t tg = (cg >> 13) & 7u, tg8 = (cg8 >> 13) & 7u;
-      const float u0 = (tg & 1u) ? acc[1] : acc[0], u1 = (tg8 & 1u) ? acc[3] : acc[2];
-      if ((tg >> 1) == uint32_t(t)) chk = fmaf(u0, __uint_as_float(cg & 0xFFFF0000u), chk);
-      if ((tg8 >> 1) == uint32_t(t)) chk = fmaf(u1, __uint_as_float(cg8 & 0xFFFF0000u), chk);
+      up_kstep<1>(chk, tile, cra, cg, cg8, xf, ch, t);
     }
   }
   if (chk == 1234.5f) p.sink[0] = chk;
@@ -257,33 +270,16 @@ __global__ void __launch_bounds__(THREADS, 1) down_staged_kernel(const P p) {
     ring_step(rg, pos, lane);
     const uint32_t r = rg.at(pos);
     const uint32_t ra = lds32(r + 4 * ka);
-    const uint2 rb0 = lds64(r + 8 * t), rb1 = lds64(r + 8 * t + 32);
-    const uint32_t a0 = rec_addr(tile, ra, ch);
-    const uint32_t b0 = own(rb0.x, g13) | (own(rb0.y, g13) << 16);
-    const uint32_t b1 = own(rb1.x, g13) | (own(rb1.y, g13) << 16);
-#pragma unroll
-    for (int jt = 0; jt < 4; ++jt) {
-      uint32_t a[4];
-      ldsm4t(a, a0 ^ (uint32_t(jt) << 5));
-      mma(acc[jt], a, b0, b1);
-    }
+    down_kstep(acc, tile, ra, lds64(r + 8 * t), lds64(r + 8 * t + 32), ch, g13);
     if (ra & END) {  // block b done: a full design reduces acc over the slices and stores it
+      fold(chk, acc);
 #pragma unroll
-      for (int jt = 0; jt < 4; ++jt) {
-        chk += (acc[jt][0] + acc[jt][1]) * float(jt + 1) + (acc[jt][2] - acc[jt][3]);
-        acc[jt][0] = acc[jt][1] = acc[jt][2] = acc[jt][3] = 0.f;
-      }
+      for (int jt = 0; jt < 4; ++jt) acc[jt][0] = acc[jt][1] = acc[jt][2] = acc[jt][3] = 0.f;
       ++b;
     }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   if (chk == 1234.5f) p.sink[0] = chk + float(b);
-}
-
-__device__ __forceinline__ void load_xf(uint32_t (&xf)[8], const P& p, int b, int c, int g, int t) {
-  const uint32_t* xr = reinterpret_cast<const uint32_t*>(p.x + size_t(b * TB + g) * D + c * DC);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) xf[j] = __ldg(xr + 4 * j + t);
 }
 
 __global__ void __launch_bounds__(THREADS, 1) up_staged_kernel(const P p) {
@@ -303,20 +299,7 @@ __global__ void __launch_bounds__(THREADS, 1) up_staged_kernel(const P p) {
     ring_step(rg, pos, lane);
     const uint32_t r = rg.at(pos);
     const uint32_t ra = lds32(r + 4 * ka), cg = lds32(r + 4 * g), cg8 = lds32(r + 4 * g + 32);
-    const uint32_t a0 = rec_addr(tile, ra, ch);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};  // two MMA chains, not one of 4
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      uint32_t a[4];
-      ldsm4(a, a0 ^ (uint32_t(ks) << 5));
-      mma(ks & 1 ? acc2 : acc, a, xf[2 * ks], xf[2 * ks + 1]);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] += acc2[j];
-    const uint32_t tg = (cg >> 13) & 7u, tg8 = (cg8 >> 13) & 7u;
-    const float u0 = (tg & 1u) ? acc[1] : acc[0], u1 = (tg8 & 1u) ? acc[3] : acc[2];
-    if ((tg >> 1) == uint32_t(t)) chk = fmaf(u0, __uint_as_float(cg & 0xFFFF0000u), chk);
-    if ((tg8 >> 1) == uint32_t(t)) chk = fmaf(u1, __uint_as_float(cg8 & 0xFFFF0000u), chk);
+    up_kstep<2>(chk, tile, ra, cg, cg8, xf, ch, t);  // two MMA chains, not one of 4
     if (ra & END) {
       ++b;
 #pragma unroll
@@ -343,12 +326,6 @@ struct PH {
   float* sink;
 };
 constexpr int HC = 16, NCH = D / HC;
-
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
 
 // One k-step of the h16 loop into acc.
 __device__ __forceinline__ void h16_step(float (&acc)[4], Ring& rg, uint32_t pos, uint32_t tile, int lane, int t,
@@ -402,27 +379,6 @@ __global__ void __launch_bounds__(THREADS, 1) down_h16_kernel(const PH p) {
   if (chk == 1234.5f) p.sink[0] = chk;
 }
 
-// Median of 10 timed launches (CUDA events) after 2 warm-up launches.
-template <class F>
-float median_ms(F launch) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ts;
-  for (int r = 0; r < 12; ++r) {
-    CK(cudaEventRecord(a));
-    launch();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    if (r >= 2) ts.push_back(ms);
-  }
-  CK(cudaGetLastError());
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
-}
-
 static uint16_t bf16_bits(float f) {
   uint32_t b;
   memcpy(&b, &f, 4);
@@ -432,6 +388,17 @@ static uint16_t bf16_bits(float f) {
 // Reorders one block's records so that each run of 8 holds distinct n & 7 where it can: runs are
 // filled from the fullest residue buckets first; when fewer than 8 buckets are left, the run is
 // completed from buckets it already holds (a conflict) rather than padded.
+static void spread(std::vector<uint32_t>& recs);
+
+// One block's records in the given order (0 rows, 1 spread, 2 ideal: timing only, every 8-record
+// run made conflict-free by renaming neurons).
+static const char* ORDER_NAME[] = {"rows", "spread", "ideal"};
+static void arrange(std::vector<uint32_t>& r, int order) {
+  if (order) spread(r);
+  if (order == 2)
+    for (size_t i = 0; i < r.size(); ++i) r[i] = (r[i] & ~7u) | uint32_t(i & 7);
+}
+
 static void spread(std::vector<uint32_t>& recs) {
   std::vector<uint32_t> bucket[8];
   for (uint32_t r : recs) bucket[r & 7u].push_back(r);
@@ -514,9 +481,7 @@ int main() {
           boff[size_t(q) * (NB + 1) + b] = uint32_t(rec.size());
           if (b == NB) break;
           std::vector<uint32_t> r = blocks[size_t(q) * NB + b];
-          if (order) spread(r);
-          if (order == 2)  // timing only: every 8-record run made conflict-free by renaming neurons
-            for (size_t i = 0; i < r.size(); ++i) r[i] = (r[i] & ~7u) | uint32_t(i & 7);
+          arrange(r, order);
           const size_t first = rec.size();
           rec.insert(rec.end(), r.begin(), r.end());
           while (rec.size() % 16 || rec.size() == first) rec.push_back(0u);  // h = 0: contributes nothing
@@ -535,7 +500,7 @@ int main() {
         const float ms = median_ms([&] { k<<<NQ * NC, THREADS, smem>>>(p); });
         const double macs = double(total) * DC * NC;
         printf("%s,%s,%s,%.2f,%d,%.3f,%.3f,%.1f\n", cs.name,
-               staged ? (up ? "up-mma-n8-staged" : "down-mma-n8-staged") : (up ? "up-mma-n8" : "down-mma-n8"), order == 2 ? "ideal" : order ? "spread" : "rows",
+               staged ? (up ? "up-mma-n8-staged" : "down-mma-n8-staged") : (up ? "up-mma-n8" : "down-mma-n8"), ORDER_NAME[order],
                double(total) / (NQ * M), mx, double(rec.size()) / total, ms,
                macs / (NQ * NC) / (ms * 1e-3 * clk_khz * 1e3));
         fflush(stdout);
@@ -553,9 +518,7 @@ int main() {
         std::vector<uint32_t> r;
         for (int q = 0; q < NQ; ++q)
           for (uint32_t w : blocks[size_t(q) * NB + b]) r.push_back((w & 0xFFFFE000u) | uint32_t(q * R + (w & 0x7FFu)));
-        if (order) spread(r);
-        if (order == 2)
-          for (size_t i = 0; i < r.size(); ++i) r[i] = (r[i] & ~7u) | uint32_t(i & 7);
+        arrange(r, order);
         while (r.size() % 16) r.push_back(0u);
         rec.resize(rec.size() + r.size());
         for (size_t k0 = 0; k0 < r.size(); k0 += 16)
@@ -573,7 +536,7 @@ int main() {
       for (int u : {1, 2, 4}) {
         auto k = u == 1 ? down_h16_kernel<1> : u == 2 ? down_h16_kernel<2> : down_h16_kernel<4>;
         const float ms = median_ms([&] { k<<<NCH, THREADS, TILE_BYTES + RING_BYTES>>>(ph); });
-        printf("%s,down-mma-h16-staged-u%d,%s,%.2f,%d,%.3f,%.3f,%.1f\n", cs.name, u, order == 2 ? "ideal" : order ? "spread" : "rows",
+        printf("%s,down-mma-h16-staged-u%d,%s,%.2f,%d,%.3f,%.3f,%.1f\n", cs.name, u, ORDER_NAME[order],
                double(total) / (NQ * M), mx, double(rec.size()) / total, ms,
                double(total) * D / NCH / (ms * 1e-3 * clk_khz * 1e3));
         fflush(stdout);
