@@ -34,7 +34,8 @@ void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile,
 // Block-union path (csrc/twell_union.cu): a block of 64 rows takes it when its union of active
 // neurons is at most this many times its entries; 0 turns it off. TWELL_UNION_RATIO overrides the
 // default (read on every call, so a benchmark can compare settings in one process). Off by default:
-// on the H100 it was slower than the per-row kernel on every input measured (csrc/NOTES.md, v6).
+// on the H100 it is slower than the per-row kernel on every generator input and on the first layer of
+// the trained `small` model, faster only on its second layer (csrc/NOTES.md, v6.1): no rule yet.
 constexpr float kUnionRatioDefault = 0.0f;
 float union_ratio() {
   const char* env = std::getenv("TWELL_UNION_RATIO");
@@ -61,7 +62,9 @@ int stationary_mode() {
 // their true counts and the fused kernel recomputes them exactly).
 int64_t spill_capacity(int64_t M) { return std::max<int64_t>(int64_t(1) << 20, M * 64); }
 
-std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int64_t tile, int64_t compression) {
+// max_sms > 0 caps the SMs a launch may occupy (the rest stay free for a kernel on another stream).
+std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int64_t tile, int64_t compression,
+                                   int64_t max_sms) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w, "w_gate");
   TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), "twell.gate: x and w_gate disagree");
@@ -76,14 +79,15 @@ std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int
   auto sp = reinterpret_cast<uint32_t*>(spill.data_ptr());
   check_launch(twell::launch_gate_twell(x.data_ptr(), w.data_ptr(), reinterpret_cast<uint32_t*>(out.data_ptr()), sp,
                                         sp + cap, uint32_t(cap), int(M), int(x.size(1)), int(H), int(tile), int(S),
-                                        x.get_device(), c10::cuda::getCurrentCUDAStream()),
+                                        x.get_device(), c10::cuda::getCurrentCUDAStream(), int(max_sms)),
                "gate");
   return {out, spill};
 }
 
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::optional<at::Tensor>& spill,
                        const c10::optional<at::Tensor>& w_act, const c10::optional<at::Tensor>& w_up,
-                       const at::Tensor& w_down_t, int64_t tile, int64_t compression) {
+                       const at::Tensor& w_down_t, int64_t tile, int64_t compression, int64_t max_sms,
+                       const c10::optional<at::Tensor>& out_opt) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_down_t, "w_down_t");
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
@@ -98,7 +102,15 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
       TORCH_CHECK((*opt)->sizes() == w_down_t.sizes(), "twell.ffn: w_act/w_up must be [H, D] like w_down_t");
     }
   }
-  at::Tensor out = at::empty({M, D}, x.options());
+  at::Tensor out;
+  if (out_opt) {
+    check_bf16_matrix(*out_opt, "out");
+    TORCH_CHECK(out_opt->size(0) == M && out_opt->size(1) == D && out_opt->device() == x.device(),
+                "twell.ffn: out must be [M, D] on x's device");
+    out = *out_opt;
+  } else {
+    out = at::empty({M, D}, x.options());
+  }
   const twell::FfnPaths paths{stationary_mode(), union_ratio()};
   const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues (+ union-path scratch)
@@ -108,7 +120,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
                    spill ? reinterpret_cast<const uint32_t*>(spill->data_ptr()) : nullptr,
                    w_act ? w_act->data_ptr() : nullptr, w_up ? w_up->data_ptr() : nullptr, w_down_t.data_ptr(),
                    out.data_ptr(), reinterpret_cast<uint32_t*>(work.data_ptr()), int(M), int(D), int(H), int(tile),
-                   int(S), paths, x.get_device(), c10::cuda::getCurrentCUDAStream()),
+                   int(S), paths, x.get_device(), c10::cuda::getCurrentCUDAStream(), int(max_sms)),
                "ffn");
   return out;
 }
@@ -148,10 +160,12 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "TwELL sparse FFN kernels (Hopper sm_90a)";
   m.def("gate_twell", &gate_twell, "TwELL(relu(x @ w^T)) written by the gate GEMM epilogue",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("tile"), pybind11::arg("compression"));
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("tile"), pybind11::arg("compression"),
+        pybind11::arg("max_sms") = 0);
   m.def("ffn_forward", &ffn_forward, "fused sparse up/down projection from TwELL", pybind11::arg("x"),
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
-        pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"));
+        pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"), pybind11::arg("max_sms") = 0,
+        pybind11::arg("out") = pybind11::none());
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),

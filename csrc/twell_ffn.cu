@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
 
 template <int CH, bool FULL>
 cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const StWorkspace* sw, int device,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, int max_sms) {
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
   auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
@@ -378,6 +378,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (max_sms > 0) sms = std::min(sms, max_sms);
   if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 2 * sizeof(uint32_t), stream);
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
@@ -404,7 +405,8 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
 
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
-                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream) {
+                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
+                             int max_sms) {
   if (M == 0) return cudaSuccess;
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
@@ -436,14 +438,14 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream);
-    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream);
-    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream);
-    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream);
-    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream);
-    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream);
-    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream);
-    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream);
+    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream, max_sms);
+    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream, max_sms);
+    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream, max_sms);
+    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream, max_sms);
+    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream, max_sms);
+    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream, max_sms);
+    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream, max_sms);
+    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream, max_sms);
   }
 }
 

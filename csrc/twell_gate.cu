@@ -347,7 +347,7 @@ bool make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_row
 
 template <int T, int CL>
 cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, int H, int S, Spill spill, int device,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, int max_sms) {
   CUtensorMap mx, mw;
   if (!make_map(&mx, x, M, D, BM) || !make_map(&mw, w, H, D, BN / CL)) return cudaErrorInvalidValue;
   auto kernel = gate_twell_kernel<T, CL>;
@@ -356,6 +356,7 @@ cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, in
   int sms = 0;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
+  if (max_sms > 0) sms = std::max(CL, std::min(sms, max_sms));
   if (spill.used != nullptr) {
     err = cudaMemsetAsync(spill.used, 0, sizeof(uint32_t), stream);
     if (err != cudaSuccess) return err;
@@ -399,7 +400,7 @@ void set_error(const char* msg) { snprintf(g_error, sizeof(g_error), "%s", msg);
 
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, int max_sms) {
   if (M == 0) return cudaSuccess;
   if (D % gate::BK != 0 || H > 65536 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
   const gate::Spill sp{spill, spill_used, spill_cap};
@@ -407,16 +408,16 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
   static const bool single = [] { const char* e = getenv("TWELL_GATE_CLUSTER"); return e && e[0] == '1'; }();
   if (single) {
     switch (tile) {
-      case 256: return gate::launch<256, 1>(x, w, out, M, D, H, S, sp, device, stream);
-      case 128: return gate::launch<128, 1>(x, w, out, M, D, H, S, sp, device, stream);
-      case 64: return gate::launch<64, 1>(x, w, out, M, D, H, S, sp, device, stream);
+      case 256: return gate::launch<256, 1>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
+      case 128: return gate::launch<128, 1>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
+      case 64: return gate::launch<64, 1>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
       default: return cudaErrorInvalidValue;
     }
   }
   switch (tile) {
-    case 256: return gate::launch<256, 2>(x, w, out, M, D, H, S, sp, device, stream);
-    case 128: return gate::launch<128, 2>(x, w, out, M, D, H, S, sp, device, stream);
-    case 64: return gate::launch<64, 2>(x, w, out, M, D, H, S, sp, device, stream);
+    case 256: return gate::launch<256, 2>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
+    case 128: return gate::launch<128, 2>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
+    case 64: return gate::launch<64, 2>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
     default: return cudaErrorInvalidValue;
   }
 }

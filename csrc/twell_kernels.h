@@ -1,6 +1,8 @@
 // Host entry points of the TwELL CUDA kernels. Pure CUDA (no torch headers) so that every .cu
 // compiles with nvcc alone; the torch glue (checks, allocation, current stream) is bindings.cpp.
 // Each launcher returns cudaSuccess or the error of its launch; messages via twell_last_error().
+// max_sms > 0 (gate and fused launchers) caps the SMs the persistent kernels occupy, leaving the rest
+// to a kernel on another stream (scripts/probes/overlap.py); 0 uses every SM.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -13,7 +15,7 @@ namespace twell {
 // (zeroed here) ends as the words claimed. spill may be null (then counts keep the true count).
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream);
+                              cudaStream_t stream, int max_sms = 0);
 
 // out bf16 [M, D] from TwELL words tw [M, ceil(H/tile) * S] (+ spill area, may be null).
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
@@ -29,7 +31,8 @@ struct FfnPaths {
 };
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
-                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream);
+                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
+                             int max_sms = 0);
 size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths);
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.

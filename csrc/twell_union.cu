@@ -39,7 +39,8 @@ constexpr int MAX_SLOT = 8192;              // union ids held in shared memory b
 // Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
 __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
 
-constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 2 * NW * 4 + 1024 + 64;
+constexpr int OFF_STRIDE = 36;              // up producer: words per row group of B row offsets
+constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 16 * OFF_STRIDE * 4 + 1024 + 64;
 constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 2 + 1024 + 64;
 
 struct Params {
@@ -223,8 +224,8 @@ __device__ __forceinline__ uint32_t swz(int r, int ch) { return uint32_t(r * 128
 __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   if (blockIdx.x >= *reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) return;
   uint8_t* smem = aligned_smem<1024>();
-  int* nrow = reinterpret_cast<int*>(smem + UP_STAGES * UP_STAGE);  // [2 * NW] neuron of each B row
-  uint64_t* full = reinterpret_cast<uint64_t*>(nrow + 2 * NW);
+  uint32_t* rowoff = reinterpret_cast<uint32_t*>(smem + UP_STAGES * UP_STAGE);  // [16][OFF_STRIDE]
+  uint64_t* full = reinterpret_cast<uint64_t*>(rowoff + 16 * OFF_STRIDE);
   uint64_t* empty = full + UP_STAGES;
   init_ring(full, empty, UP_STAGES, 128);
 
@@ -239,38 +240,50 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
 
   if (wg == 0) {
     reg_dealloc();
-    const int t = threadIdx.x;
+    // Thread t copies 16-byte chunk ch of the B rows rg + 16 m (m < 32) of each pass. Every such row
+    // is = rg (mod 8), so its swizzled chunk position is the same for all m: one destination offset
+    // plus 2 KB per m. The rows' element offsets (neuron * D) sit in shared memory, 32 words per row
+    // group (stride 36: the 4 groups of a warp read different banks), and are read 4 at a time: the
+    // copy loop has no dependent load per copy (v6 spent most of its time on those).
+    const int t = threadIdx.x, ch = t % 8, rg = t / 8;
+    const uint32_t offs = smem_u32(rowoff + rg * OFF_STRIDE);
+    const uint32_t dst0 = uint32_t(rg * 128 + ((ch ^ (rg & 7)) << 4));
     uint32_t phase = 1;  // a fresh barrier counts as released once
     for (int pass = 0; pass < passes; ++pass) {
-      // This thread copies chunk t % 8 of B rows t / 8 + 16 m (m < 32): union columns of the pass.
-      // Their neuron ids sit in shared memory (registers would spill); each thread reads back
-      // only slots it wrote itself, so no barrier is needed.
+      const int rem = n_union - pass * 2 * NW;  // union rows left from this pass on
+      __syncwarp();  // the row group's 8 threads (one warp) finished reading the previous pass's offsets
 #pragma unroll
-      for (int m0 = 0; m0 < 32; m0 += 8) {
-        int v[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {  // loads first, then the stores: 8 loads in flight
-          const int j = pass * 2 * NW + t / 8 + 16 * (m0 + m);
-          v[m] = j < n_union ? int(__ldg(U + j)) : -1;
-        }
-#pragma unroll
-        for (int m = 0; m < 8; ++m) nrow[t / 8 + 16 * (m0 + m)] = v[m];
+      for (int i = 0; i < 4; ++i) {
+        const int m = ch + 8 * i, j = rg + 16 * m;
+        rowoff[rg * OFF_STRIDE + m] = j < rem ? uint32_t(__ldg(U + pass * 2 * NW + j)) * uint32_t(p.D) : 0u;
       }
-      const int ch = t % 8;
+      __syncwarp();
+      const int mlim = rem > rg ? (rem - rg + 15) / 16 : 0;  // rows rg + 16 m < rem
       for (int kb = 0; kb < steps; ++kb) {
         mbar_wait(&empty[stage], phase);
         const uint32_t a = smem_u32(smem + stage * UP_STAGE);
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
-          const int r = t / 8 + 16 * m;
+          const int r = rg + 16 * m;
           const bool ok = r0 + r < p.M;
           cp_async16(a + swz(r, ch), p.x + size_t(ok ? r0 + r : 0) * p.D + kb * BK + ch * 8, ok);
         }
-#pragma unroll 4
-        for (int m = 0; m < 32; ++m) {
-          const int r = t / 8 + 16 * m;
-          const int n = nrow[r];
-          cp_async16(a + A_BYTES + swz(r, ch), p.w_up + size_t(n >= 0 ? n : 0) * p.D + kb * BK + ch * 8, n >= 0);
+        const __nv_bfloat16* src = p.w_up + kb * BK + ch * 8;
+        const uint32_t b = a + A_BYTES + dst0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint4 o[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o[i] = lds128(offs + 64 * h + 16 * i);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t w[4] = {o[i].x, o[i].y, o[i].z, o[i].w};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int m = 16 * h + 4 * i + c;
+              cp_async16(b + 2048 * m, src + w[c], m < mlim);
+            }
+          }
         }
         cp_async_arrive(&full[stage]);
         if (++stage == UP_STAGES) { stage = 0; phase ^= 1; }
@@ -393,14 +406,21 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
       // every DK * 128 bytes, K row kk at (kk / 8) * 1 KB + (kk % 8) * 128.
       const int cc = t - UB, hw = cc / 32, at = (cc % 32) / 8, ch = cc % 8;
       const __nv_bfloat16* src0 = p.w_down_t + col0 + cc * 8;
+      const uint32_t ids_s = smem_u32(ids);
       for (int kb = 0; kb < steps; ++kb) {
         mbar_wait(&empty[stage], phase);
         const uint32_t bsm = smem_u32(smem + stage * DN_STAGE) + A_BYTES + hw * (DN_B_BYTES / 2) + at * (DK * 128);
-#pragma unroll 8
+        // The stage's DK union ids in 4 shared loads (the same for every gatherer: broadcast), then
+        // the copies: no dependent load per copy. Ids past the union (unset memory) are not used.
+        uint4 v[DK / 8];
+#pragma unroll
+        for (int i = 0; i < DK / 8; ++i) v[i] = lds128(ids_s + (kb * DK + 8 * i) * 2);
+#pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
-          const int k = kb * DK + kk;
-          const bool ok = k < n_union;
-          cp_async16(bsm + swz(kk, ch), src0 + size_t(ok ? ids[k] : 0) * p.D, ok);
+          const uint32_t w = kk % 8 < 2 ? v[kk / 8].x : kk % 8 < 4 ? v[kk / 8].y : kk % 8 < 6 ? v[kk / 8].z : v[kk / 8].w;
+          const bool ok = kb * DK + kk < n_union;
+          const uint32_t id = ok ? (kk % 2 ? w >> 16 : w & 0xFFFFu) : 0u;
+          cp_async16(bsm + swz(kk, ch), src0 + size_t(id) * p.D, ok);
         }
         cp_async_arrive(&full[stage]);
         if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }

@@ -233,6 +233,30 @@ def test_union_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
     assert rel(out, per_row.double()) < 1e-2
 
 
+def test_sm_cap_and_output_buffer_change_nothing_but_placement():
+    """The launchers' SM cap (scripts/probes/overlap.py runs the two kernels side by side with it)
+    only changes where the work runs; ffn_forward's out= writes into a slice of a larger buffer and
+    nowhere else. Heavy-tailed rows and a dense row take the spill and heavy-row paths too."""
+    from twell.formats import TwELL
+    from twell.kernels.build import load
+    ext = load()
+    M, D, H = 3000, 512, 1000
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[5])
+    wdt = wd.t().contiguous()
+    packed, spill = ext.gate_twell(x, wg, 256, 8)
+    packed_c, spill_c = ext.gate_twell(x, wg, 256, 8, 6)
+    dense = TwELL(packed, None, None, H, 256, 8, source=(x, wg), spill=spill).unpack()
+    assert torch.equal(TwELL(packed_c, None, None, H, 256, 8, source=(x, wg), spill=spill_c).unpack(), dense)
+    ref = ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8)
+    big = torch.full((M + 7, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = ext.ffn_forward(x, packed_c, spill_c, wg, wu, wdt, 256, 8, 5, big[3:3 + M])
+    assert got.data_ptr() == big[3].data_ptr()
+    assert torch.equal(big[3:3 + M], ref)
+    assert big[:3].isnan().all() and big[3 + M:].isnan().all()
+    with pytest.raises(RuntimeError, match="out must be"):
+        ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8, 0, big[:M - 1])
+
+
 def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
     """TwELL words need not list a tile's entries in column order; the union path walks them by rank."""
     from twell.formats import TwELL
