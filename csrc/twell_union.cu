@@ -417,9 +417,9 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
         for (int i = 0; i < DK / 8; ++i) v[i] = lds128(ids_s + (kb * DK + 8 * i) * 2);
 #pragma unroll
         for (int kk = 0; kk < DK; ++kk) {
-          const uint32_t w = kk % 8 < 2 ? v[kk / 8].x : kk % 8 < 4 ? v[kk / 8].y : kk % 8 < 6 ? v[kk / 8].z : v[kk / 8].w;
+          const uint32_t w[4] = {v[kk / 8].x, v[kk / 8].y, v[kk / 8].z, v[kk / 8].w};  // 2 ids per word
           const bool ok = kb * DK + kk < n_union;
-          const uint32_t id = ok ? (kk % 2 ? w >> 16 : w & 0xFFFFu) : 0u;
+          const uint32_t id = ok ? (w[kk % 8 / 2] >> (16 * (kk % 2))) & 0xFFFFu : 0u;
           cp_async16(bsm + swz(kk, ch), src0 + size_t(id) * p.D, ok);
         }
         cp_async_arrive(&full[stage]);

@@ -134,7 +134,6 @@ int main() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int passes = 4096;  // 8.6 GB
   uint8_t *t0, *t1;
-  uint16_t* rows;
   uint32_t* sink;
   CK(cudaMalloc(&t0, size_t(NROWS) * 4096));
   CK(cudaMalloc(&t1, size_t(NROWS) * 4096));
@@ -144,12 +143,11 @@ int main() {
   std::vector<uint16_t> h(size_t(passes) * ROWS_PER_STAGE);  // enough for every stage size
   srand(1);
   for (auto& v : h) v = uint16_t(rand() % NROWS);
-  CK(cudaMalloc(&rows, h.size() * 2));
-  CK(cudaMemcpy(rows, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  const uint16_t* rows = to_device<uint16_t>(h);
   printf("mode,stage_kb,stages,hold_clk,passes,ms,GB_per_s\n");
   run<0>("cpasync16", t0, t1, rows, passes, sink, sms);
   // Consumers that hold stages as a wgmma pipeline does (HOLD ~ the MMA time of the stage: 64 x 512
-  // x 64 MACs at 1024 MAC/clk = 2048 clocks per 64 KB of weights).
+  // x 64 MACs at H100's 2048 bf16 MAC/clk/SM = 1024 clocks per 64 KB of weights; 2048: twice that).
   run<0, 512, 3, 2048>("cpasync16-hold", t0, t1, rows, passes, sink, sms);
   run<0, 512, 3, 1024>("cpasync16-hold", t0, t1, rows, passes, sink, sms);
   run<0, 256, 6, 1024>("cpasync16-hold", t0, t1, rows, passes, sink, sms);

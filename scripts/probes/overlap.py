@@ -36,9 +36,9 @@ def dense(x, wg, wu, wd):
     return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
-def sparse(ext, x, wg, wu, wdt, out=None, g_sms=0, f_sms=0):
-    packed, spill = ext.gate_twell(x, wg, TILE, COMP, g_sms)
-    return ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP, f_sms, out)
+def sparse(ext, x, wg, wu, wdt):
+    packed, spill = ext.gate_twell(x, wg, TILE, COMP)
+    return ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP)
 
 
 class Pipeline:

@@ -287,14 +287,10 @@ int main() {
     memcpy(&b, &f, 4);
     v = uint16_t(b >> 16);
   }
-  uint4* d_tiles;
-  __nv_bfloat16* d_x;
+  uint4* d_tiles = to_device<uint4>(tiles);
+  __nv_bfloat16* d_x = to_device<__nv_bfloat16>(xh);
   float* d_sink;
-  CK(cudaMalloc(&d_tiles, tiles.size() * 2));
-  CK(cudaMalloc(&d_x, xh.size() * 2));
   CK(cudaMalloc(&d_sink, 4));
-  CK(cudaMemcpy(d_tiles, tiles.data(), tiles.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaFuncSetAttribute(loop_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES));
   CK(cudaFuncSetAttribute(loop_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES));
   CK(cudaFuncSetAttribute(mma_down_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES));
@@ -402,11 +398,8 @@ int main() {
           while (pairs.size() % 16) pairs.push_back(0u);
         }
       if (packed) printf("# %s packed: %.2f records per pair\n", cs.name, double(pairs.size()) / real);
-      uint32_t *d_pairs, *d_goff;
-      CK(cudaMalloc(&d_pairs, pairs.size() * 4));
-      CK(cudaMalloc(&d_goff, goff.size() * 4));
-      CK(cudaMemcpy(d_pairs, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(d_goff, goff.data(), goff.size() * 4, cudaMemcpyHostToDevice));
+      uint32_t* d_pairs = to_device<uint32_t>(pairs);
+      uint32_t* d_goff = to_device<uint32_t>(goff);
       PM pm{d_tiles, d_pairs, d_goff, d_sink};
       for (int rot = packed; rot < 3; ++rot) {  // rot 2: rotated rows, records staged in shared memory
         auto k = rot == 2 ? mma_down_staged_kernel<true> : rot ? mma_down_kernel<true> : mma_down_kernel<false>;

@@ -130,6 +130,16 @@ __device__ __forceinline__ void load_xf(uint32_t (&xf)[8], const P& p, int b, in
   for (int j = 0; j < 8; ++j) xf[j] = __ldg(xr + 4 * j + t);
 }
 
+// What a lane addresses in a down k-step (down_kstep, h16_step): g13 picks the records of its token
+// lane >> 2 (own()), t its pair of B columns, ka the record row it gives ldmatrix, ch the column half.
+struct DownLane {
+  uint32_t g13, ch;
+  int t, ka;
+};
+__device__ __forceinline__ DownLane down_lane(int lane) {
+  return {uint32_t(lane >> 2) << 13, uint32_t(lane >> 3) & 1, lane & 3, (lane & 7) + 8 * (lane >> 4)};
+}
+
 // ---------------------------------------------------------------------------------------------
 // down: warp takes blocks w, w + WARPS, ...; per k-step lane l addresses record (l & 7) + 8 (l >> 4),
 // column half (l >> 3) & 1 (ldmatrix.trans: matrices = {k 0-7, k 8-15} x {cols 0-7, 8-15}).
@@ -137,9 +147,7 @@ __global__ void __launch_bounds__(THREADS, 1) down_kernel(const P p) {
   const int q = blockIdx.x % NQ, c = blockIdx.x / NQ;
   const uint32_t tile = load_tile(p.tiles, q, c);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t g13 = uint32_t(lane >> 2) << 13;
-  const int t = lane & 3, ka = (lane & 7) + 8 * (lane >> 4);
-  const uint32_t ch = (lane >> 3) & 1;
+  const auto [g13, ch, t, ka] = down_lane(lane);
   const uint32_t* bo = p.boff + size_t(q) * (NB + 1);
   float chk = 0.f;
   for (int b = warp; b < NB; b += WARPS) {
@@ -260,9 +268,7 @@ __global__ void __launch_bounds__(THREADS, 1) down_staged_kernel(const P p) {
   const int q = blockIdx.x % NQ, c = blockIdx.x / NQ;
   const uint32_t tile = load_tile(p.tiles, q, c);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t g13 = uint32_t(lane >> 2) << 13;
-  const int t = lane & 3, ka = (lane & 7) + 8 * (lane >> 4);
-  const uint32_t ch = (lane >> 3) & 1;
+  const auto [g13, ch, t, ka] = down_lane(lane);
   int b;
   Ring rg = warp_ring(p, q, tile, warp, lane, b);
   float chk = 0.f, acc[4][4] = {};
@@ -349,10 +355,8 @@ __global__ void __launch_bounds__(THREADS, 1) down_h16_kernel(const PH p) {
   const int c = blockIdx.x;
   const uint32_t tile = load_tile(p.tiles, 0, c);  // tiles are indexed q * NC + c with q = 0
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t g13 = uint32_t(lane >> 2) << 13;
-  const int t = lane & 3, ka = (lane & 7) + 8 * (lane >> 4);
+  const auto [g13, ch, t, ka] = down_lane(lane);
   const uint32_t pa = ka < 8 ? 4 * (ka >> 1) + (ka & 1) : 4 * ((ka - 8) >> 1) + 2 + (ka & 1);
-  const uint32_t ch = (lane >> 3) & 1;
   const int b_lo = warp * (NB / WARPS);
   const uint32_t r0 = p.boff[b_lo];
   Ring rg{tile + TILE_BYTES + warp * NS * SR * 4, p.rec + r0, p.boff[b_lo + NB / WARPS] - r0};
@@ -436,14 +440,10 @@ int main() {
         for (int e = 0; e < 8; ++e) tiles[(tl * R + n) * DC + ((j ^ (n & 7)) * 8) + e] = bf16_bits(0.02f * nd(rng));
   std::vector<uint16_t> xh(size_t(M) * D);
   for (auto& v : xh) v = bf16_bits(nd(rng));
-  uint4* d_tiles;
-  __nv_bfloat16* d_x;
+  uint4* d_tiles = to_device<uint4>(tiles);
+  __nv_bfloat16* d_x = to_device<__nv_bfloat16>(xh);
   float* d_sink;
-  CK(cudaMalloc(&d_tiles, tiles.size() * 2));
-  CK(cudaMalloc(&d_x, xh.size() * 2));
   CK(cudaMalloc(&d_sink, 4));
-  CK(cudaMemcpy(d_tiles, tiles.data(), tiles.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaFuncSetAttribute(down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES));
   CK(cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES));
   CK(cudaFuncSetAttribute(down_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, TILE_BYTES + RING_BYTES));
@@ -487,11 +487,8 @@ int main() {
           while (rec.size() % 16 || rec.size() == first) rec.push_back(0u);  // h = 0: contributes nothing
           for (size_t i = rec.size() - 16; i < rec.size(); ++i) rec[i] |= END;  // the block's last k-step
         }
-      uint32_t *d_rec, *d_boff;
-      CK(cudaMalloc(&d_rec, rec.size() * 4));
-      CK(cudaMalloc(&d_boff, boff.size() * 4));
-      CK(cudaMemcpy(d_rec, rec.data(), rec.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(d_boff, boff.data(), boff.size() * 4, cudaMemcpyHostToDevice));
+      uint32_t* d_rec = to_device<uint32_t>(rec);
+      uint32_t* d_boff = to_device<uint32_t>(boff);
       P p{d_tiles, d_rec, d_boff, d_x, d_sink};
       for (int v = 0; v < 4; ++v) {
         const bool up = v & 1, staged = v >= 2;
@@ -527,11 +524,8 @@ int main() {
             rec[boff[b] + k0 + pos] = r[k0 + k];
           }
       }
-      uint32_t *d_rec, *d_boff;
-      CK(cudaMalloc(&d_rec, rec.size() * 4));
-      CK(cudaMalloc(&d_boff, boff.size() * 4));
-      CK(cudaMemcpy(d_rec, rec.data(), rec.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(d_boff, boff.data(), boff.size() * 4, cudaMemcpyHostToDevice));
+      uint32_t* d_rec = to_device<uint32_t>(rec);
+      uint32_t* d_boff = to_device<uint32_t>(boff);
       PH ph{d_tiles, d_rec, d_boff, d_sink};
       for (int u : {1, 2, 4}) {
         auto k = u == 1 ? down_h16_kernel<1> : u == 2 ? down_h16_kernel<2> : down_h16_kernel<4>;

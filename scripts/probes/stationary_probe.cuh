@@ -62,3 +62,12 @@ float median_ms(F launch) {
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2];
 }
+
+// A device copy of a host vector, as D* (the caller frees it with cudaFree, or leaves it to exit).
+template <class D, class T>
+D* to_device(const std::vector<T>& h) {
+  void* d = nullptr;
+  CK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<D*>(d);
+}
