@@ -8,9 +8,10 @@
 //                   accumulating in 128 fp32 registers per thread.
 // Epilogue in two halves so the tensor cores do not wait for the packing: the consumers only
 // apply ReLU, round to bf16 and drop the tile into a 64 KB staging buffer in shared memory, then
-// start the next tile's MMAs; the packer warps read the staged tile row by row (one warp per row,
-// 8 columns per lane), count each TwELL tile row's nonzeros with a segmented warp scan and store
-// count + (value, column) words, in column order. No dense activation is ever written to global
+// start the next tile's MMAs; the packer warps read the staged tile one row per lane (no shuffles,
+// no scans: an earlier warp-per-row packer spent ~5.8k instructions per tile and warp and held the
+// consumers back), count each TwELL tile row's nonzeros and store count + (value, column) words,
+// in column order. No dense activation is ever written to global
 // memory. The GEMM tile (128 x 256) is a multiple of the TwELL tile's width, so every TwELL tile
 // row comes from one staged row. A tile row with more nonzeros than slots moves
 // its entries to a spill area (count word = 0x80000000 | offset), so consumers still read exactly
@@ -40,7 +41,6 @@ constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int STG_ROW_BYTES = BN * 2;   // one staged tile row: 256 bf16
 constexpr int STG_BYTES = BM * STG_ROW_BYTES;
 constexpr int PACK_WARPS = 3;
-constexpr int PACK_ROWS = 4;            // rows a packer warp works on at once (BM % PACK_ROWS == 0)
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STG_BYTES + 1024 /*align*/ + (2 * STAGES + 2) * 8 /*barriers*/;
 
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c_inner, int c_outer) {
@@ -90,7 +90,7 @@ struct Spill {
 
 // Staged tile: row r holds 32 chunks of 16 bytes (8 bf16 columns each); chunk c sits at position
 // c ^ (r % 8), so that the consumers' stores (8 rows x 4 words per instruction) and the packers'
-// row reads (32 lanes x 16 bytes) are both free of bank conflicts.
+// reads (32 lanes, 32 consecutive rows, one chunk each) are both free of bank conflicts.
 __device__ __forceinline__ uint32_t stg_offset(int r, int chunk) {
   return uint32_t(r * STG_ROW_BYTES + ((chunk ^ (r & 7)) << 4));
 }
@@ -99,75 +99,68 @@ __device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
-// Bit j set when the j-th of the 8 bf16 values in v is nonzero (values are ReLU'd: +0 or active).
-__device__ __forceinline__ uint32_t nonzero_mask(const uint4 v) {
+// Bit j set when the j-th of the 8 bf16 values in v is nonzero; NaN counts as nonzero (set.neu).
+__device__ __forceinline__ uint32_t nonzero8(const uint4 v) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t m = 0;
+  uint32_t m[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) m |= (uint32_t((w[i] & 0xFFFFu) != 0) | (uint32_t(w[i] > 0xFFFFu) << 1)) << (2 * i);
-  return m;
+  for (int i = 0; i < 4; ++i) asm("set.neu.u32.bf16x2 %0, %1, %2;" : "=r"(m[i]) : "r"(w[i]), "r"(0u));
+  // Low halves (even columns) to bits 0, 2, 4, 6; high halves to bits 17, 19, 21, 23.
+  const uint32_t t = (m[0] & 0x00020001u) | (m[1] & 0x00080004u) | (m[2] & 0x00200010u) | (m[3] & 0x00800040u);
+  return (t | (t >> 16)) & 0xFFu;
 }
 
-// Pack R staged rows r0..r0+R-1 into TwELL, one warp; lane l holds tile columns 8l..8l+7 of each
-// (bf16 bits). A TwELL tile spans G = T/8 lanes, whose counts are scanned inside the segment. The
-// R rows are independent, so their loads, scans and stores interleave (one packer warp per
-// scheduler has nothing else to hide latency with).
-template <int T, int R>
-__device__ __forceinline__ void pack_rows(uint32_t stg, int r0, int m0, int M, uint32_t* __restrict__ out, int nb,
-                                          int lane, int S, int n_twell_tiles, const Spill& spill) {
-  constexpr int G = T / 8;
-  const int seg_lane = lane % G;
-  const int t = nb * (BN / T) + lane / G;
-  const bool t_ok = t < n_twell_tiles;
-  uint4 v[R];
-  uint32_t mask[R];
-  int cnt[R], incl[R], total[R];
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+// Pack staged row r (one lane, no cross-lane work) into its BN / T TwELL tile rows. Pass 1 reads
+// the tile row's T / 8 chunks and keeps an 8-bit nonzero mask per chunk; pass 2 walks the set bits,
+// re-reading each value, and stores the entries in column order.
+template <int T>
+__device__ __forceinline__ void pack_row(uint32_t stg, int r, int m0, int M, uint32_t* __restrict__ out, int nb, int S,
+                                         int n_twell_tiles, const Spill& spill) {
+  constexpr int CH = T / 8;         // 16-byte chunks per TwELL tile row
+  constexpr int MW = (CH + 3) / 4;  // mask words, 4 chunks each
+  const int row = m0 + r;
+  if (row >= M) return;
+#pragma unroll 1
+  for (int tt = 0; tt < BN / T; ++tt) {
+    const int t = nb * (BN / T) + tt;
+    if (t >= n_twell_tiles) return;
+    uint32_t mw[MW];
 #pragma unroll
-  for (int k = 0; k < R; ++k) v[k] = lds128(stg + stg_offset(r0 + k, lane));
+    for (int i = 0; i < MW; ++i) mw[i] = 0;
 #pragma unroll
-  for (int k = 0; k < R; ++k) {
-    mask[k] = nonzero_mask(v[k]);
-    cnt[k] = incl[k] = __popc(mask[k]);
-  }
+    for (int c = 0; c < CH; ++c) mw[c / 4] |= nonzero8(lds128(stg + stg_offset(r, tt * CH + c))) << (8 * (c % 4));
+    int total = 0;
 #pragma unroll
-  for (int o = 1; o < G; o <<= 1) {
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int up = __shfl_up_sync(0xffffffffu, incl[k], o, G);
-      if (seg_lane >= o) incl[k] += up;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < R; ++k) total[k] = __shfl_sync(0xffffffffu, incl[k], G - 1, G);
-#pragma unroll
-  for (int k = 0; k < R; ++k) {
-    const int row = m0 + r0 + k;
-    const bool ok = t_ok && row < M;
-    const bool over = ok && total[k] > S - 1;
-    uint32_t off = 0;
-    if (__any_sync(0xffffffffu, over)) {  // rare: claim spill space, one atomic per tile row
-      if (over && seg_lane == 0 && spill.words != nullptr) off = atomicAdd(spill.used, uint32_t(total[k] + 1));
-      off = __shfl_sync(0xffffffffu, off, 0, G);
-    }
-    if (!ok) continue;
+    for (int i = 0; i < MW; ++i) total += __popc(mw[i]);
     uint32_t* tile_out = out + (size_t(row) * size_t(n_twell_tiles) + size_t(t)) * size_t(S);
-    const bool spilled = over && spill.words != nullptr && off + uint32_t(total[k]) + 1 <= spill.cap &&
-                         off < 0x80000000u;
-    uint32_t* dst = spilled ? spill.words + off : tile_out;  // slot 0 = count in both layouts
-    const int limit = spilled ? total[k] + 1 : S;
-    if (seg_lane == 0) {
-      tile_out[0] = spilled ? (0x80000000u | off) : uint32_t(total[k]);
-      if (spilled) dst[0] = uint32_t(total[k]);
+    uint32_t* dst = tile_out;  // slot 0 = count in both layouts
+    int limit = S;
+    if (total > S - 1 && spill.words != nullptr) {  // rare: claim spill space
+      const uint32_t off = atomicAdd(spill.used, uint32_t(total + 1));
+      if (off + uint32_t(total) + 1 <= spill.cap && off < 0x80000000u) {
+        tile_out[0] = 0x80000000u | off;
+        dst = spill.words + off;
+        limit = total + 1;
+      }
     }
-    int slot = 1 + incl[k] - cnt[k];  // this lane's first entry slot; entries in column order
-    const uint32_t col0 = uint32_t(t * T + 8 * seg_lane);
-    for (uint32_t m = mask[k]; m != 0; m &= m - 1) {
-      const int j = __ffs(m) - 1;
-      const uint32_t lo = (j & 2) ? v[k].y : v[k].x, hi = (j & 2) ? v[k].w : v[k].z;
-      const uint32_t word = (j & 4) ? hi : lo;
-      const uint32_t bits = (j & 1) ? (word & 0xFFFF0000u) : (word << 16);
-      if (slot < limit) dst[slot] = bits | (col0 + uint32_t(j));
-      ++slot;
+    dst[0] = uint32_t(total);
+    int slot = 1;
+    const uint32_t col0 = uint32_t(t * T);
+#pragma unroll
+    for (int i = 0; i < MW; ++i) {
+      for (uint32_t m = mw[i]; m != 0 && slot < limit; m &= m - 1) {
+        const int b = __ffs(m) - 1;
+        const int c = 4 * i + (b >> 3), j = b & 7;  // chunk, column in chunk
+        const uint32_t w = lds32(stg + stg_offset(r, tt * CH + c) + 4 * (j >> 1));
+        dst[slot] = ((j & 1) ? (w & 0xFFFF0000u) : (w << 16)) | (col0 + uint32_t(8 * c + j));
+        ++slot;
+      }
     }
   }
 }
@@ -239,10 +232,8 @@ __global__ void __launch_bounds__(384, 1)
         const int nb = g % n_blocks_n;
         mbar_wait(stg_full, sphase);
         sphase ^= 1;
-        // Groups of PACK_ROWS consecutive rows, dealt round-robin to the packer warps.
-        for (int r0 = pw * PACK_ROWS; r0 < BM && m0 + r0 < M; r0 += PACK_WARPS * PACK_ROWS) {
-          pack_rows<T, PACK_ROWS>(stg, r0, m0, M, out, nb, lane, S, n_twell_tiles, spill);
-        }
+        // Units of 32 consecutive rows, one row per lane, dealt round-robin to the packer warps.
+        for (int u = pw; u < BM / 32; u += PACK_WARPS) pack_row<T>(stg, 32 * u + lane, m0, M, out, nb, S, n_twell_tiles, spill);
         mbar_arrive(stg_empty);
       }
     }

@@ -127,6 +127,33 @@ def test_gate_kernel_matches_reference(M, D, H, tile, compression):
     torch.testing.assert_close(unpacked.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("tile,compression", [(256, 8), (64, 2)])
+def test_gate_kernel_keeps_tiny_nan_and_signed_zero_values_exactly(tile, compression):
+    """One-hot rows of x make the GEMM exact (h[r, n] = w_gate[n, r % D]), so the packed TwELL must
+    equal the reference packing entry for entry: subnormal bf16 values and NaN are entries, -0 and
+    negatives are not. Guards the packer's nonzero test (a bf16x2 compare) against flushing or
+    dropping special values."""
+    M, D, H = 700, 64, 600
+    g = torch.Generator().manual_seed(3)
+    x = torch.zeros(M, D)
+    x[torch.arange(M), torch.arange(M) % D] = 1.0
+    wg = -torch.randn(H, D, generator=g).abs()
+    wg[torch.rand(H, D, generator=g) < 0.05] *= -1.0  # ~40 active per row: no tile overflows
+    flat = wg.view(-1)
+    idx = torch.randperm(H * D, generator=g)
+    flat[idx[:300]] = 3e-39   # subnormal in bf16 (smallest normal ~1.2e-38)
+    flat[idx[300:303]] = float("nan")  # 0 * NaN = NaN: these 3 neurons are NaN on every row
+    flat[idx[340:600]] = -0.0
+    flat[idx[600:700]] = -3e-39
+    x, wg = x.to(torch.bfloat16).cuda(), wg.to(torch.bfloat16).cuda()
+    assert (wg.float().abs() < 1.2e-38).logical_and(wg != 0).sum() >= 300  # the subnormals survived bf16
+    t = kernels.twell_gate(x, wg, tile, compression)
+    ref = torch.relu(F.linear(x, wg))
+    expect = pack_twell(ref, tile, compression)
+    assert t.n_overflow_rows == 0 and torch.equal(t.counts(), expect.counts())
+    torch.testing.assert_close(t.unpack(), ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("M,D,H", SHAPES)
 @pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)])
 def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, fused_path):
