@@ -93,6 +93,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
   TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
+  TORCH_CHECK(tile >= 2 && tile <= 4096, "twell.ffn: tile must be in [2, 4096], got ", tile);
   check_twell_words(tw, M, H, tile, S, "ffn");
   if (spill) TORCH_CHECK(spill->is_cuda() && spill->scalar_type() == at::kUInt32 && spill->is_contiguous(),
                          "twell.ffn: bad spill area");

@@ -38,8 +38,9 @@ constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
 constexpr int LIST_CAP = 256;     // entries per warp list; rows with more are heavy
 
-// Words of the heavy-row queue ([0] count, [1] next light row, then rows), 16-byte aligned.
-inline size_t heavy_words(int M) { return (size_t(M) + 2 + 3) & ~size_t(3); }
+// Words of the heavy-row queue ([0] count, [1] next light row, [2] next heavy row, then rows),
+// 16-byte aligned.
+inline size_t heavy_words(int M) { return (size_t(M) + 3 + 3) & ~size_t(3); }
 
 struct Params {
   const __nv_bfloat16* x;
@@ -49,8 +50,8 @@ struct Params {
   const __nv_bfloat16* w_up;      // null for non-gated
   const __nv_bfloat16* w_down_t;
   __nv_bfloat16* out;
-  uint32_t* heavy;                // [0] heavy-row count, [1] next light row (both zeroed before the
-                                  // light kernel), [2..] heavy rows
+  uint32_t* heavy;                // [0] heavy-row count, [1] next light row, [2] next heavy row (all
+                                  // zeroed before the light kernel), [3..] heavy rows
   const uint32_t* light_rows;     // rows for the light kernel (null: all rows)
   const uint32_t* n_light;        // their number (device)
   int M, D, H, n_tiles, T, S;
@@ -58,8 +59,11 @@ struct Params {
 
 struct Smem {
   alignas(128) uint8_t ring[WARPS][K][STAGE];
-  uint32_t list[WARPS][2][LIST_CAP];  // light kernel: current and next row's entries; heavy: [0]
+  uint32_t list[WARPS][2][LIST_CAP];  // light kernel: current and next row's entries; heavy: one
+                                      // list of WARPS * 2 * LIST_CAP entries for the whole CTA
   uint64_t bar[WARPS][K];
+  uint32_t group_off[33];             // heavy: entry offsets of a group's tiles, then its total
+  uint32_t next_heavy;
 };
 constexpr int SMEM_BYTES = sizeof(Smem) + 128;
 
@@ -265,7 +269,7 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
     const int row = int(p.light_rows ? p.light_rows[idx] : idx);
     *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
     if (*n >= 0) return row;
-    if (lane == 0) p.heavy[2 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+    if (lane == 0) p.heavy[3 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
   }
 }
 
@@ -316,36 +320,60 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
   }
 }
 
-// Heavy kernel: one CTA per queued row; warp w takes tiles w, w + WARPS, ... in LIST_CAP batches.
+// Heavy kernel: one CTA per heavy row, rows taken from a device counter (a static share let a CTA
+// that drew several long rows finish last). The row's tiles go in groups of G (at most
+// WARPS * 2 * LIST_CAP entries, as a tile holds at most T): the group's entries are copied in tile
+// order into one CTA-wide list and split evenly over the warps, so no warp waits on the one that
+// drew the fullest tiles. Deterministic: the split depends on the counts only.
 template <int CH, bool GATED, bool FULL>
 __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Ring ring = init_ring(sm, warp, lane);
-  uint32_t* list = sm.list[warp][0];
+  constexpr int FLAT = WARPS * 2 * LIST_CAP;
+  uint32_t* flat = &sm.list[0][0][0];
+  const int G = min(32, FLAT / p.T);
   const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
-  for (uint32_t h = blockIdx.x; h < n_heavy; h += gridDim.x) {
-    const int row = int(p.heavy[2 + h]);
+  for (;;) {
+    if (threadIdx.x == 0) sm.next_heavy = atomicAdd(p.heavy + 2, 1u);
+    __syncthreads();
+    const uint32_t h = sm.next_heavy;
+    if (h >= n_heavy) break;
+    const int row = int(p.heavy[3 + h]);
     RowF<CH> x;
     load_x(x, p.x + size_t(row) * p.D, lane, p.D);
     float acc[CH * 8];
 #pragma unroll
     for (int i = 0; i < CH * 8; ++i) acc[i] = 0.f;
     bool complete = true;
-    for (int t = warp; t < p.n_tiles; t += WARPS) {
-      const TileEntries ti = tile_info(p, row, t);
-      if (!ti.stored) {
-        if (p.w_act != nullptr) recompute_tile<CH, GATED>(acc, x, t, p, lane);
-        else complete = false;
-        continue;
+    for (int g0 = 0; g0 < p.n_tiles; g0 += G) {
+      const int gn = min(G, p.n_tiles - g0);
+      if (warp == 0) {  // entry offsets of the group's tiles (tiles without entries count 0)
+        uint32_t c = 0;
+        if (lane < gn) {
+          const TileEntries ti = tile_info(p, row, g0 + lane);
+          c = ti.stored ? ti.count : 0u;
+        }
+        const uint32_t incl = warp_incl_scan(c, lane);
+        sm.group_off[lane] = incl - c;
+        if (lane == 31) sm.group_off[32] = incl;
       }
-      for (uint32_t b = 0; b < ti.count; b += LIST_CAP) {
-        const int n = int(min(uint32_t(LIST_CAP), ti.count - b));
-        for (int j = lane; j < n; j += 32) list[j] = __ldg(ti.entries + b + j);
-        __syncwarp();
-        run_list<CH, GATED, FULL>(acc, x, list, n, ring, p, lane);
-        __syncwarp();
+      __syncthreads();
+      for (int i = warp; i < gn; i += WARPS) {
+        const TileEntries ti = tile_info(p, row, g0 + i);
+        if (!ti.stored) {
+          if (p.w_act != nullptr) recompute_tile<CH, GATED>(acc, x, g0 + i, p, lane);
+          else complete = false;
+          continue;
+        }
+        uint32_t* dst = flat + sm.group_off[i];
+        for (uint32_t j = lane; j < ti.count; j += 32) dst[j] = __ldg(ti.entries + j);
       }
+      __syncthreads();
+      const int n = int(sm.group_off[32]);
+      const int lo = n * warp / WARPS, hi = n * (warp + 1) / WARPS;
+      run_list<CH, GATED, FULL>(acc, x, flat + lo, hi - lo, ring, p, lane);
+      __syncthreads();  // the next group rewrites the list
     }
     // Reduce the warps' partial rows through the (now idle) rings: warp w writes its fp32 slice.
     __syncthreads();
@@ -379,7 +407,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (max_sms > 0) sms = std::min(sms, max_sms);
-  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 2 * sizeof(uint32_t), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 3 * sizeof(uint32_t), stream);
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
                                  stream);
@@ -408,7 +436,7 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                              int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
                              int max_sms) {
   if (M == 0) return cudaSuccess;
-  if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
+  if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0 || tile > 4096) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
   // One optional path per call: the weight-stationary one first, else the block-union one.
   const bool use_st = stationary_used(paths.stationary, D, H, gated);

@@ -22,4 +22,4 @@ for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
         if e.device_type.name == "CUDA":
             k = e.name.split("(")[0][-40:]
             agg[k] = agg.get(k, 0) + e.device_time / 10 / 1000
-    print(f"nnz {nnz} tail {tail}: overflow rows {gate.n_overflow_rows}; " + "; ".join(f"{k} {v:.3f} ms" for k, v in sorted(agg.items(), key=lambda x: -x[1]) if v > 0.001), flush=True)
+    print(f"nnz {nnz} tail {tail}: unspilled overflow rows {gate.n_overflow_rows}, spilled tiles {gate.n_spilled_tiles}; " + "; ".join(f"{k} {v:.3f} ms" for k, v in sorted(agg.items(), key=lambda x: -x[1]) if v > 0.001), flush=True)
