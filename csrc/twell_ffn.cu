@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
         uint32_t c = 0;
         if (lane < gn) {
           const TileEntries ti = tile_info(p, row, g0 + lane);
-          c = ti.stored ? ti.count : 0u;
+          c = ti.stored ? min(ti.count, uint32_t(p.T)) : 0u;  // a valid tile holds at most T: the list never overflows
         }
         const uint32_t incl = warp_incl_scan(c, lane);
         sm.group_off[lane] = incl - c;
@@ -367,7 +367,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
           continue;
         }
         uint32_t* dst = flat + sm.group_off[i];
-        for (uint32_t j = lane; j < ti.count; j += 32) dst[j] = __ldg(ti.entries + j);
+        const uint32_t cnt = sm.group_off[i + 1] - sm.group_off[i];
+        for (uint32_t j = lane; j < cnt; j += 32) dst[j] = __ldg(ti.entries + j);
       }
       __syncthreads();
       const int n = int(sm.group_off[32]);
