@@ -38,9 +38,10 @@ constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
 constexpr int LIST_CAP = 256;     // entries per warp list; rows with more are heavy
 
-// Words of the heavy-row queue ([0] count, [1] next light row, [2] next heavy row, then rows),
-// 16-byte aligned.
-inline size_t heavy_words(int M) { return (size_t(M) + 3 + 3) & ~size_t(3); }
+// The heavy-row queue: header words (zeroed before the light kernel), then the heavy rows.
+enum : int { Q_HEAVY_COUNT = 0, Q_NEXT_LIGHT = 1, Q_NEXT_HEAVY = 2, Q_ROWS = 3 };
+// Its words for M rows, 16-byte aligned.
+inline size_t heavy_words(int M) { return (size_t(M) + Q_ROWS + 3) & ~size_t(3); }
 
 struct Params {
   const __nv_bfloat16* x;
@@ -50,8 +51,7 @@ struct Params {
   const __nv_bfloat16* w_up;      // null for non-gated
   const __nv_bfloat16* w_down_t;
   __nv_bfloat16* out;
-  uint32_t* heavy;                // [0] heavy-row count, [1] next light row, [2] next heavy row (all
-                                  // zeroed before the light kernel), [3..] heavy rows
+  uint32_t* heavy;                // heavy-row queue (Q_* words above)
   const uint32_t* light_rows;     // rows for the light kernel (null: all rows)
   const uint32_t* n_light;        // their number (device)
   int M, D, H, n_tiles, T, S;
@@ -263,13 +263,13 @@ __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
 // rows met on the way are queued for the heavy kernel. -1 when the queue is empty.
 __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_rows, const Params& p, int lane) {
   for (;;) {
-    uint32_t idx = lane == 0 ? atomicAdd(p.heavy + 1, 1u) : 0u;
+    uint32_t idx = lane == 0 ? atomicAdd(p.heavy + Q_NEXT_LIGHT, 1u) : 0u;
     idx = __shfl_sync(0xffffffffu, idx, 0);
     if (idx >= n_rows) return -1;
     const int row = int(p.light_rows ? p.light_rows[idx] : idx);
     *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
     if (*n >= 0) return row;
-    if (lane == 0) p.heavy[3 + atomicAdd(p.heavy, 1u)] = uint32_t(row);
+    if (lane == 0) p.heavy[Q_ROWS + atomicAdd(p.heavy + Q_HEAVY_COUNT, 1u)] = uint32_t(row);
   }
 }
 
@@ -333,13 +333,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   constexpr int FLAT = WARPS * 2 * LIST_CAP;
   uint32_t* flat = &sm.list[0][0][0];
   const int G = min(32, FLAT / p.T);
-  const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy);
+  const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy + Q_HEAVY_COUNT);
   for (;;) {
-    if (threadIdx.x == 0) sm.next_heavy = atomicAdd(p.heavy + 2, 1u);
+    if (threadIdx.x == 0) sm.next_heavy = atomicAdd(p.heavy + Q_NEXT_HEAVY, 1u);
     __syncthreads();
     const uint32_t h = sm.next_heavy;
     if (h >= n_heavy) break;
-    const int row = int(p.heavy[3 + h]);
+    const int row = int(p.heavy[Q_ROWS + h]);
     RowF<CH> x;
     load_x(x, p.x + size_t(row) * p.D, lane, p.D);
     float acc[CH * 8];
@@ -408,7 +408,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (max_sms > 0) sms = std::min(sms, max_sms);
-  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, 3 * sizeof(uint32_t), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
                                  stream);
