@@ -49,6 +49,24 @@ float union_ratio() {
 // Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off) or 1 (wherever it is
 // supported), read on every call. Off by default: slower than the per-row kernel (csrc/NOTES.md, v7).
 constexpr int kStationaryDefault = 0;
+// Heavy rows the dense path (csrc/twell_dense.cu) can hold per call: M / 8 rounded up to 128 rows
+// (the paper sizes its training dense backup the same way), at most M rounded up to 128. Workspace:
+// cap x (D + H) bf16, 126 MB at M = 65536 for the paper's shapes, where the heavy-tail case queues
+// ~4100 rows. With more heavy rows than cap, the per-row heavy kernel takes all of them.
+// $TWELL_DENSE_CAP overrides it (rows, rounded up to 128; 0 turns the path off).
+int64_t dense_cap(int64_t M) {
+  auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
+  int64_t cap = up(M / 8);
+  const char* env = std::getenv("TWELL_DENSE_CAP");
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    TORCH_CHECK(end != env && *end == '\0' && v >= 0, "TWELL_DENSE_CAP must be an integer >= 0, got '", env, "'");
+    cap = up(v);
+  }
+  return std::min(cap, up(M));
+}
+
 int stationary_mode() {
   const char* env = std::getenv("TWELL_STATIONARY");
   if (env == nullptr || *env == '\0') return kStationaryDefault;
@@ -112,9 +130,10 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   } else {
     out = at::empty({M, D}, x.options());
   }
-  const twell::FfnPaths paths{stationary_mode(), union_ratio()};
-  const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), paths));
-  at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues (+ union-path scratch)
+  const twell::FfnPaths paths{stationary_mode(), union_ratio(), int(dense_cap(M))};
+  const int64_t words =
+      int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), w_act.has_value(), paths));
+  at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues, path scratch, dense rows
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(twell::launch_twell_ffn(
                    x.data_ptr(), reinterpret_cast<const uint32_t*>(tw.data_ptr()),
@@ -167,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"), pybind11::arg("max_sms") = 0,
         pybind11::arg("out") = pybind11::none());
+  m.def("dense_cap", &dense_cap, "heavy rows the dense path may take for M rows ($TWELL_DENSE_CAP or the default)",
+        pybind11::arg("M"));
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),

@@ -18,9 +18,11 @@
 //
 // Rows are split by work: a "light" row (at most LIST_CAP active neurons, no unresolved overflow)
 // is done by one warp (light kernel); heavier rows are queued on the device and done by a whole
-// CTA each (heavy kernel: the CTA's warps take the row's tiles round-robin and reduce their partial
+// CTA each (heavy kernel: the CTA's warps split the row's entries and reduce their partial
 // outputs through shared memory), so a row with a thousand active neurons does not hold one warp
-// for milliseconds. Both launches are fixed-size (no host synchronisation: CUDA graphs work).
+// for milliseconds; when enough rows are heavy, the dense path (twell_dense.cu, v12) computes them
+// all on the tensor cores instead. All launches are fixed-size (no host synchronisation: CUDA graphs
+// work).
 //
 // Entries come from the TwELL slots, or from the gate kernel's spill area for overflowing tiles
 // (count word 0x80000000 | offset -> spill[offset] = count, then entries). A tile whose count
@@ -36,7 +38,11 @@ namespace ffn {
 constexpr int WARPS = 8;          // warps per CTA (both kernels)
 constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
-constexpr int LIST_CAP = 256;     // entries per warp list; rows with more are heavy
+// Entries per warp list; rows with more are heavy. 128 since v12: heavy rows mostly take the dense
+// path (twell_dense.cu), which beats 8 KB of gathers per entry from ~100 entries on (heavy tail
+// 4.36 -> 3.58 ms, nnz 64 6.46 -> 6.09 ms with 256 -> 128 and the path's cap at M / 16).
+constexpr int LIST_CAP = 128;
+constexpr int FLAT = 4096;        // heavy kernel: one CTA-wide list of a tile group's entries (tile <= FLAT)
 
 // The heavy-row queue: header words (zeroed before the light kernel), then the heavy rows.
 enum : int { Q_HEAVY_COUNT = 0, Q_NEXT_LIGHT = 1, Q_NEXT_HEAVY = 2, Q_ROWS = 3 };
@@ -54,13 +60,17 @@ struct Params {
   uint32_t* heavy;                // heavy-row queue (Q_* words above)
   const uint32_t* light_rows;     // rows for the light kernel (null: all rows)
   const uint32_t* n_light;        // their number (device)
+  __nv_bfloat16* xh;              // dense path: x of heavy rows h < dense_cap (null: path off)
+  int dense_cap;                  // the dense path's row capacity (0: off)
   int M, D, H, n_tiles, T, S;
 };
 
 struct Smem {
   alignas(128) uint8_t ring[WARPS][K][STAGE];
-  uint32_t list[WARPS][2][LIST_CAP];  // light kernel: current and next row's entries; heavy: one
-                                      // list of WARPS * 2 * LIST_CAP entries for the whole CTA
+  union {
+    uint32_t list[WARPS][2][LIST_CAP];  // light kernel: current and next row's entries
+    uint32_t flat[FLAT];                // heavy kernel: the group's entries, for the whole CTA
+  };
   uint64_t bar[WARPS][K];
   uint32_t group_off[33];             // heavy: entry offsets of a group's tiles, then its total
   uint32_t next_heavy;
@@ -269,7 +279,14 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
     const int row = int(p.light_rows ? p.light_rows[idx] : idx);
     *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
     if (*n >= 0) return row;
-    if (lane == 0) p.heavy[Q_ROWS + atomicAdd(p.heavy + Q_HEAVY_COUNT, 1u)] = uint32_t(row);
+    uint32_t h = lane == 0 ? atomicAdd(p.heavy + Q_HEAVY_COUNT, 1u) : 0u;
+    h = __shfl_sync(0xffffffffu, h, 0);
+    if (lane == 0) p.heavy[Q_ROWS + h] = uint32_t(row);
+    if (h < uint32_t(p.dense_cap)) {  // the dense path's copy of x (twell_dense.cu)
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + size_t(row) * p.D);
+      uint4* dst = reinterpret_cast<uint4*>(p.xh + size_t(h) * p.D);
+      for (int c = lane; c < p.D / 8; c += 32) dst[c] = src[c];
+    }
   }
 }
 
@@ -322,7 +339,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
 
 // Heavy kernel: one CTA per heavy row, rows taken from a device counter (a static share let a CTA
 // that drew several long rows finish last). The row's tiles go in groups of G (at most
-// WARPS * 2 * LIST_CAP entries, as a tile holds at most T): the group's entries are copied in tile
+// FLAT entries, as a tile holds at most T): the group's entries are copied in tile
 // order into one CTA-wide list and split evenly over the warps, so no warp waits on the one that
 // drew the fullest tiles. Deterministic: the split depends on the counts only.
 template <int CH, bool GATED, bool FULL>
@@ -330,14 +347,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   Smem& sm = smem_ref();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   Ring ring = init_ring(sm, warp, lane);
-  constexpr int FLAT = WARPS * 2 * LIST_CAP;
-  uint32_t* flat = &sm.list[0][0][0];
+  uint32_t* flat = sm.flat;
   const int G = min(32, FLAT / p.T);
   const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy + Q_HEAVY_COUNT);
+  // The dense path (twell_dense.cu) takes the whole queue or none of it.
+  const uint32_t first = dense_takes_queue(n_heavy, p.dense_cap) ? n_heavy : 0u;
   for (;;) {
     if (threadIdx.x == 0) sm.next_heavy = atomicAdd(p.heavy + Q_NEXT_HEAVY, 1u);
     __syncthreads();
-    const uint32_t h = sm.next_heavy;
+    const uint32_t h = sm.next_heavy + first;
     if (h >= n_heavy) break;
     const int row = int(p.heavy[Q_ROWS + h]);
     RowF<CH> x;
@@ -397,6 +415,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   }
 }
 
+// Words before the dense path's buffers: the heavy queue and the optional path's scratch, rounded
+// up to 128 bytes (TMA wants 16-byte aligned rows; the workspace itself is 256-byte aligned).
+inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& paths) {
+  size_t w = heavy_words(M);
+  if (stationary_used(paths.stationary, D, H, gated)) w += stationary_workspace_words(M, D, H);
+  else if (paths.union_ratio > 0.f && union_supported(D, H, gated)) w += union_workspace_words(M, H);
+  return (w + 31) & ~size_t(31);
+}
+
 template <int CH, bool FULL>
 cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const StWorkspace* sw, int device,
                       cudaStream_t stream, int max_sms) {
@@ -425,6 +452,9 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
                                      p.S, device, stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_mma(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S, stream);
+  if (err == cudaSuccess && p.dense_cap > 0)
+    err = launch_dense_rows(p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
+                            p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, device, stream, max_sms);
   if (err != cudaSuccess) return err;
   heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
@@ -454,6 +484,8 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 workspace,
                 use_st ? sw.light_rows : use_union ? uw.light_rows : nullptr,
                 use_st ? sw.ctr : use_union ? uw.ctr : nullptr,
+                nullptr,
+                0,
                 M,
                 D,
                 H,
@@ -462,6 +494,9 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 S};
   const Workspace* u = use_union ? &uw : nullptr;
   const StWorkspace* st = use_st ? &sw : nullptr;
+  // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
+  p.dense_cap = w_act != nullptr ? paths.dense_cap : 0;
+  p.xh = p.dense_cap > 0 ? reinterpret_cast<__nv_bfloat16*>(workspace + ffn::dense_offset(M, D, H, gated, paths)) : nullptr;
   const float ratio = paths.union_ratio;
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
@@ -478,11 +513,9 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
   }
 }
 
-size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths) {
-  if (stationary_used(paths.stationary, D, H, gated))
-    return ffn::heavy_words(M) + stationary_workspace_words(M, D, H);
-  const bool use_union = paths.union_ratio > 0.f && union_supported(D, H, gated);
-  return ffn::heavy_words(M) + (use_union ? union_workspace_words(M, H) : 0);
+size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPaths paths) {
+  const size_t dense = has_act && paths.dense_cap > 0 ? dense_workspace_words(paths.dense_cap, D, H) : 0;
+  return ffn::dense_offset(M, D, H, gated, paths) + dense;
 }
 
 }  // namespace twell

@@ -25,6 +25,7 @@
 #include <cstdlib>
 
 #include "common.cuh"
+#include "tma.cuh"
 #include "twell_kernels.h"
 #include "wgmma_m64n256.cuh"
 
@@ -42,13 +43,6 @@ constexpr int STG_ROW_BYTES = BN * 2;   // one staged tile row: 256 bf16
 constexpr int STG_BYTES = BM * STG_ROW_BYTES;
 constexpr int PACK_WARPS = 3;
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + STG_BYTES + 1024 /*align*/ + (2 * STAGES + 2) * 8 /*barriers*/;
-
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c_inner, int c_outer) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c_inner), "r"(c_outer)
-      : "memory");
-}
 
 // TMA load of a box into the same shared-memory offset of every CTA in `mask`, completing on the
 // mbarrier at the same offset in each of them.
@@ -302,40 +296,6 @@ __global__ void __launch_bounds__(384, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
-    return (err == cudaSuccess && q == cudaDriverEntryPointSuccess) ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p)
-                                                                    : nullptr;
-  }();
-  return fn;
-}
-
-// 2-D bf16 tensor map over a row-major [rows, cols] matrix; boxes of box_rows x 64 columns.
-bool make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
-  auto fn = encode_fn();
-  if (fn == nullptr) {
-    set_error("cannot resolve cuTensorMapEncodeTiled from the CUDA driver");
-    return false;
-  }
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(BK), cuuint32_t(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    char buf[128];
-    snprintf(buf, sizeof(buf), "cuTensorMapEncodeTiled failed with CUresult %d", int(r));
-    set_error(buf);
-    return false;
-  }
-  return true;
-}
-
 template <int T, int CL>
 cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, int H, int S, Spill spill, int device,
                    cudaStream_t stream, int max_sms) {
@@ -382,6 +342,40 @@ cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, in
 }
 
 }  // namespace gate
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+    return (err == cudaSuccess && q == cudaDriverEntryPointSuccess) ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p)
+                                                                    : nullptr;
+  }();
+  return fn;
+}
+
+// Declared in tma.cuh.
+bool make_map(CUtensorMap* map, const void* ptr, int rows, int cols, int box_rows) {
+  auto fn = encode_fn();
+  if (fn == nullptr) {
+    set_error("cannot resolve cuTensorMapEncodeTiled from the CUDA driver");
+    return false;
+  }
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};  // 64 bf16 = one 128-byte swizzle row
+  const cuuint32_t elem[2] = {1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    char buf[128];
+    snprintf(buf, sizeof(buf), "cuTensorMapEncodeTiled failed with CUresult %d", int(r));
+    set_error(buf);
+    return false;
+  }
+  return true;
+}
 
 namespace {
 thread_local char g_error[256] = "";

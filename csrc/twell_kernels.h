@@ -25,15 +25,38 @@ cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint3
 //   stationary: the weight-stationary kernels (twell_stationary.cu), when stationary_used(...);
 //   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
 //   when its union of active neurons is at most union_ratio x its entries.
+//   dense_cap > 0: when w_act is given and between kDenseMinRows and dense_cap (a multiple of 128)
+//   rows are heavy, all of them go through the dense tensor-core path (twell_dense.cu) instead of
+//   the per-row heavy kernel.
 struct FfnPaths {
   int stationary;     // 0 off, 1 on where supported
   float union_ratio;  // 0 off
+  int dense_cap;      // 0 off
 };
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
                              const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
                              int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
                              int max_sms = 0);
-size_t ffn_workspace_words(int M, int D, int H, bool gated, FfnPaths paths);
+size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPaths paths);
+
+// Dense path for heavy rows (twell_dense.cu): when dense_takes_queue(*count, cap), for every entry h,
+// out[rows[h]] = (relu(xh[h] @ w_act^T) [* (xh[h] @ w_up^T) if w_up]) @ w_down_t, with the hidden
+// state in hidden [cap, dense_hidden_width(H)] (bf16). xh [cap, D] holds the rows' x (the light
+// kernel copies it). cap % 128 == 0, D % 64 == 0.
+// The path runs only when at least this many rows are queued. Its two kernels take ~0.08 ms even
+// for one row block (measured: the down kernel's K loop over H is the critical path), while the
+// per-row heavy kernel gathers ~1.2 ns of weights per entry over the GPU: 384 rows of ~180 entries
+// are ~0.08 ms (estimate from those two numbers).
+constexpr int kDenseMinRows = 384;
+// Whether the dense path takes the whole heavy queue (else the per-row heavy kernel takes all of it).
+__host__ __device__ inline bool dense_takes_queue(uint32_t queued, int cap) {
+  return cap > 0 && queued >= uint32_t(kDenseMinRows) && queued <= uint32_t(cap);
+}
+int dense_hidden_width(int H);
+size_t dense_workspace_words(int cap, int D, int H);
+cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
+                              const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
+                              int device, cudaStream_t stream, int max_sms = 0);
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
 struct Workspace {

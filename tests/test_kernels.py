@@ -362,6 +362,71 @@ def test_non_gated_ffn_matches_reference(M, D, H):
     check_ffn(out, x, None, wu, wd, gated=False)
 
 
+def check_rows(out, rows, x, wg, wu, wd, gated=True):
+    """check_ffn on a subset of rows (heavy rows have large outputs and would hide the others)."""
+    wg = wg if gated else None
+    return check_ffn(out[rows], x[rows], wg, wu, wd, gated)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+@pytest.mark.parametrize("M,D,H,tile,compression", [(2000, 2048, 5632, 256, 8), (777, 320, 1000, 128, 4),
+                                                     (700, 192, 700, 64, 2)])
+@pytest.mark.parametrize("cap", [None, "4096", "0"], ids=["default-cap", "cap-4096", "off"])
+def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, cap, monkeypatch):
+    """Rows with more than 128 entries go to the heavy queue. When 384 (kDenseMinRows) to dense_cap
+    rows are queued, the tensor-core dense path (csrc/twell_dense.cu) computes all of them, else the
+    per-row heavy kernel does: here ~400 heavy rows, so the path runs at cap 4096 and not at the
+    default cap of these small M (256 at M = 2000), nor when off."""
+    if cap is not None:
+        monkeypatch.setenv("TWELL_DENSE_CAP", cap)
+    heavy_rows = list(range(3, 403))  # rows scaled by 50: hundreds of active neurons each
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=heavy_rows, zero_rows=[0, M - 1])
+    if not gated:  # non-gated: the activation is relu(x @ w_up.T); give w_up the gate's offsets
+        wu = wu.clone()
+        wu[:, 0] = wg[:, 0]
+    gate = kernels.twell_gate(x, wg if gated else wu, tile, compression)
+    is_heavy = gate.nnz_per_row().gt(128).cpu()
+    heavy, light = is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()
+    assert len(heavy) >= 384, len(heavy)
+    dense_cap = kernels.load().dense_cap(M)
+    assert dense_cap == {None: -(-(M // 8) // 128) * 128, "4096": -(-M // 128) * 128, "0": 0}[cap]
+    dense_runs = 384 <= len(heavy) <= dense_cap
+    assert dense_runs == (cap == "4096")
+    wdt = wd.t().contiguous()
+
+    def run():
+        return kernels.twell_gated_ffn(x, gate, wu, wdt) if gated else kernels.twell_ffn(gate, wdt)
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = run()
+    assert out.data_ptr() == ptr
+    check_rows(out, heavy, x, wg, wu, wd, gated)
+    check_rows(out, light, x, wg, wu, wd, gated)
+    assert out[[0, M - 1]].eq(0).all()
+    # The dense path takes all heavy rows or none, and every row's sums have a fixed order: two calls
+    # agree bit for bit whichever path ran.
+    assert torch.equal(out, run())
+    # Light rows never see the dense path; heavy rows do exactly when it runs (it rounds the up
+    # projection to bf16 first, as dense PyTorch does, so their values change by rounding).
+    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
+    off = run()
+    assert torch.equal(out[light], off[light])
+    if dense_runs and gated:
+        assert not torch.equal(out[heavy], off[heavy]), "the dense path did not run"
+    if not dense_runs:
+        assert torch.equal(out, off)
+
+
+def test_dense_cap_rule_and_setting(monkeypatch):
+    monkeypatch.delenv("TWELL_DENSE_CAP", raising=False)
+    cap = kernels.load().dense_cap
+    assert [cap(1), cap(300), cap(8192), cap(65536), cap(131072)] == [0, 128, 1024, 8192, 16384]
+    monkeypatch.setenv("TWELL_DENSE_CAP", "100")
+    assert cap(65536) == 128 and cap(50) == 128
+    monkeypatch.setenv("TWELL_DENSE_CAP", "lots")
+    with pytest.raises(RuntimeError, match="TWELL_DENSE_CAP"):
+        cap(65536)
+
+
 def test_bad_inputs_raise_clearly():
     x, wg, wu, wd = inputs(64, 256, 300, nnz=10)
     wdt = wd.t().contiguous()
@@ -382,8 +447,11 @@ def test_bad_inputs_raise_clearly():
         kernels.twell_gate(x, wg, tile=256, compression=3)
 
 
-def test_torch_compile_and_cuda_graphs():
-    x, wg, wu, wd = inputs(1024, 2048, 5632, nnz=29)
+def test_torch_compile_and_cuda_graphs(monkeypatch):
+    # Heavy rows in both inputs, enough at replay (not at capture) for the dense path to run: it and
+    # the heavy kernel size their work from device counts, never from host values frozen into the graph.
+    monkeypatch.setenv("TWELL_DENSE_CAP", "1024")
+    x, wg, wu, wd = inputs(1024, 2048, 5632, nnz=29, tail=0.35, dense_rows=[7])
     wdt = wd.t().contiguous()
     eager = kernels.sparse_gated_ffn(x, wg, wu, wdt)
     compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=False)
@@ -393,11 +461,16 @@ def test_torch_compile_and_cuda_graphs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = kernels.sparse_gated_ffn(static_x, wg, wu, wdt)
-    x2, _, _, _ = inputs(1024, 2048, 5632, nnz=29)
+    x2 = x.clone()
+    x2[100:500, 1:] *= 50.0  # 400 more heavy rows: the dense path runs
+    assert kernels.twell_gate(x2, wg).nnz_per_row().gt(128).sum() >= 384
     static_x.copy_(x2)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt))
+    assert torch.equal(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt))
+    is_heavy = kernels.twell_gate(x2, wg).nnz_per_row().gt(128).cpu()
+    for rows in (is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()):
+        check_rows(static_out, rows, x2, wg, wu, wd)
 
 
 def test_module_uses_kernels_on_gpu():

@@ -1,0 +1,228 @@
+// Dense path for heavy rows (v12).
+//
+// A row with more active neurons than the light kernel's list holds (LIST_CAP) goes to the heavy
+// queue. Per entry the per-row heavy kernel gathers 8 KB of weights (~1.2 ns at the ~7 TB/s L2
+// ceiling), so a heavy-tail row with ~400 entries costs ~0.5 us there, against ~0.1 us as one row
+// of a dense tensor-core FFN. So heavy rows are computed densely:
+//   light kernel   copies the x row of queued heavy row h < cap into xh[h] (twell_ffn.cu);
+//   hidden kernel  hidden[h] = relu(xh[h] @ w_act^T) * (xh[h] @ w_up^T), or relu(xh[h] @ w_act^T)
+//                  when non-gated, rounded to bf16 where dense PyTorch rounds;
+//   down kernel    out[row of h] = hidden[h] @ w_down_t.
+// Both are the gate kernel's pipeline (one TMA producer thread, two wgmma m64n256k16 consumer
+// warpgroups, 128 x 256 tiles, persistent CTAs) with a plain epilogue. Their tile counts come from
+// the queue's count on the device: no host synchronisation, so CUDA graphs capture the call, and an
+// empty queue costs two launches of CTAs that return at once. The path takes the whole queue or
+// none of it (dense_takes_queue): fewer than kDenseMinRows rows are faster on the per-row kernel,
+// more than cap do not fit its buffers, and a partial share would depend on the queue's order (device atomics), so a
+// row's rounding could change from call to call. Either way every row's sums have a fixed order and
+// two calls agree bit for bit. The path recomputes the gate, so it needs w_act; it never reads TwELL
+// and is exact for any activation pattern.
+#include <cuda.h>
+
+#include <algorithm>
+
+#include "common.cuh"
+#include "tma.cuh"
+#include "twell_kernels.h"
+#include "wgmma_m64n256.cuh"
+
+namespace twell {
+namespace dense {
+
+constexpr int BM = 128;  // rows per tile (two warpgroups of 64)
+constexpr int BN = 256;  // columns per wgmma (the hidden kernel's gated tile: 128 gate + 128 up)
+constexpr int BK = 64;   // 64 bf16 = one 128-byte swizzle row
+constexpr int STAGES = 4;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /*align*/ + 2 * STAGES * 8 /*barriers*/;
+
+enum Mode : int { HIDDEN_GATED = 0, HIDDEN_ACT = 1, DOWN = 2 };
+
+struct Args {
+  const uint32_t* count;  // heavy rows queued (device)
+  const uint32_t* rows;   // their row ids, in queue order
+  int cap;                // rows this path takes (a multiple of BM)
+  __nv_bfloat16* hidden;  // [cap, HP]
+  __nv_bfloat16* out;     // [M, D]
+  int D, HP;              // HP: H rounded up to BN
+};
+
+__device__ __forceinline__ uint32_t pack_bf16x2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
+}
+
+// MODE HIDDEN_*: A = xh [cap, D] (map_a), B = w_act rows (map_b0) and w_up rows (map_b1, gated),
+// both K-major. MODE DOWN: A = hidden [cap, HP], B = w_down_t [H, D] read MN-major: a stage's B is
+// four 64 x 64 boxes (64 K rows of 128 bytes each, 8 KB apart along N), wgmma with B transposed.
+template <int MODE>
+__global__ void __launch_bounds__(384, 1)
+    dense_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
+                      const __grid_constant__ CUtensorMap map_b1, const Args a) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+
+  const uint32_t queued = *reinterpret_cast<const volatile uint32_t*>(a.count);
+  const int n = dense_takes_queue(queued, a.cap) ? int(queued) : 0;
+  const int m_blocks = (n + BM - 1) / BM;
+  constexpr int NCOL = MODE == HIDDEN_GATED ? BN / 2 : BN;  // output columns per tile
+  const int n_blocks = MODE == DOWN ? (a.D + BN - 1) / BN : a.HP / NCOL;
+  const int k_blocks = MODE == DOWN ? a.HP / BK : a.D / BK;
+  const int tiles = m_blocks * n_blocks;
+  if (int(blockIdx.x) >= tiles) return;  // the whole CTA, before any barrier exists
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Tiles in column-block-major order: CTAs running at the same time share the weight tile.
+  if (wg == 0) {
+    if (threadIdx.x != 0) return;
+    int stage = 0;
+    uint32_t phase = 1;  // a fresh barrier counts as released once
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int mb = t % m_blocks, nb = t / m_blocks;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(&empty[stage], phase);
+        uint8_t* s = smem + stage * STAGE_BYTES;
+        mbar_expect_tx(&full[stage], STAGE_BYTES);
+        tma_load_2d(s, &map_a, &full[stage], kb * BK, mb * BM);
+        uint8_t* b = s + A_BYTES;
+        if constexpr (MODE == HIDDEN_GATED) {
+          tma_load_2d(b, &map_b0, &full[stage], kb * BK, nb * NCOL);
+          tma_load_2d(b + B_BYTES / 2, &map_b1, &full[stage], kb * BK, nb * NCOL);
+        } else if constexpr (MODE == HIDDEN_ACT) {
+          tma_load_2d(b, &map_b0, &full[stage], kb * BK, nb * NCOL);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) tma_load_2d(b + j * (BK * 128), &map_b0, &full[stage], nb * BN + 64 * j, kb * BK);
+        }
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  const int ct = threadIdx.x - 128 * wg;
+  const int warp = ct / 32, lane = ct % 32, q = lane % 4;
+  const int row_in_tile = 64 * (wg - 1) + 16 * warp + lane / 4;
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc[128];
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int mb = t % m_blocks, nb = t / m_blocks;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    int prev_stage = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      mbar_wait(&full[stage], phase);
+      const uint8_t* sa = smem + stage * STAGE_BYTES + (wg - 1) * 64 * 128;
+      const uint8_t* sb = smem + stage * STAGE_BYTES + A_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BK / 16; ++k) {
+        if constexpr (MODE == DOWN)
+          wgmma_m64n256k16_bf16<1>(acc, smem_desc(sa + 32 * k), smem_desc(smem_u32(sb) + 2048 * k, BK * 128, 1024), 1);
+        else
+          wgmma_m64n256k16_bf16<0>(acc, smem_desc(sa + 32 * k), smem_desc(sb + 32 * k), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous k-block's products are done: release its stage
+      if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
+      prev_stage = stage;
+      if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    }
+    wgmma_wait<0>();
+    if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
+
+    // This thread holds rows row_in_tile (hf = 0) and row_in_tile + 8 (hf = 1), columns
+    // 8i + 2q + {0, 1} in acc[4i + 2hf + {0, 1}]. Rows of the last block past n hold whatever xh held
+    // there: the hidden kernel computes them (rows of a GEMM are independent), the down kernel does not
+    // store them.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = mb * BM + row_in_tile + 8 * hf;
+      if constexpr (MODE == DOWN) {
+        if (r >= n) continue;
+        __nv_bfloat16* o = a.out + size_t(a.rows[r]) * a.D + nb * BN + 2 * q;
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          if (nb * BN + 8 * i + 2 * q < a.D)
+            *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
+                __floats2bfloat162_rn(acc[4 * i + 2 * hf], acc[4 * i + 2 * hf + 1]);
+      } else {
+        uint32_t* o = reinterpret_cast<uint32_t*>(a.hidden + size_t(r) * a.HP + nb * NCOL + 2 * q);
+        if constexpr (MODE == HIDDEN_GATED) {
+          // Gate column j in acc[.. j / 8 ..], up column j sixteen words further: as dense PyTorch,
+          // h = bf16(relu(bf16(gate)) * bf16(up)).
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            __nv_bfloat16 h[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float g = __bfloat162float(relu_bf16(acc[4 * i + 2 * hf + e]));
+              const float u = __bfloat162float(__float2bfloat16_rn(acc[4 * (i + 16) + 2 * hf + e]));
+              h[e] = __float2bfloat16_rn(g * u);
+            }
+            o[4 * i] = pack_bf16x2(h[0], h[1]);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) o[4 * i] = pack_bf16x2(relu_bf16(acc[4 * i + 2 * hf]), relu_bf16(acc[4 * i + 2 * hf + 1]));
+        }
+      }
+    }
+  }
+}
+
+template <int MODE>
+cudaError_t launch_mode(const CUtensorMap& ma, const CUtensorMap& mb0, const CUtensorMap& mb1, const Args& a, int sms,
+                        cudaStream_t stream) {
+  auto kernel = dense_gemm_kernel<MODE>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  kernel<<<sms, 384, SMEM_BYTES, stream>>>(ma, mb0, mb1, a);
+  return cudaGetLastError();
+}
+
+}  // namespace dense
+
+int dense_hidden_width(int H) { return (H + dense::BN - 1) / dense::BN * dense::BN; }
+
+size_t dense_workspace_words(int cap, int D, int H) {
+  return (size_t(cap) * size_t(D + dense_hidden_width(H))) / 2;  // bf16 pairs
+}
+
+cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
+                              const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
+                              int device, cudaStream_t stream, int max_sms) {
+  if (cap <= 0) return cudaSuccess;
+  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr) return cudaErrorInvalidValue;
+  const int HP = dense_hidden_width(H);
+  int sms = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  if (max_sms > 0) sms = std::min(sms, max_sms);
+  const dense::Args a{count, rows, cap, static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, HP};
+  CUtensorMap m_xh, m_act, m_up, m_hidden, m_down;
+  const bool gated = w_up != nullptr;
+  if (!make_map(&m_xh, xh, cap, D, dense::BM) || !make_map(&m_act, w_act, H, D, gated ? dense::BN / 2 : dense::BN) ||
+      (gated && !make_map(&m_up, w_up, H, D, dense::BN / 2)) || !make_map(&m_hidden, hidden, cap, HP, dense::BM) ||
+      !make_map(&m_down, w_down_t, H, D, 64))
+    return cudaErrorInvalidValue;
+  err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, sms, stream)
+              : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, sms, stream);
+  if (err != cudaSuccess) return err;
+  return dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, sms, stream);
+}
+
+}  // namespace twell
