@@ -50,10 +50,11 @@ float union_ratio() {
 // supported), read on every call. Off by default: slower than the per-row kernel (csrc/NOTES.md, v7).
 constexpr int kStationaryDefault = 0;
 // Heavy rows the dense path (csrc/twell_dense.cu) can hold per call: M / 8 rounded up to 128 rows
-// (the paper sizes its training dense backup the same way), at most M rounded up to 128. Workspace:
-// cap x (D + H) bf16, 126 MB at M = 65536 for the paper's shapes, where the heavy-tail case queues
-// ~4100 rows. With more heavy rows than cap, the per-row heavy kernel takes all of them.
-// $TWELL_DENSE_CAP overrides it (rows, rounded up to 128; 0 turns the path off).
+// (the paper sizes its training dense backup the same way), at most M rounded up to 128, and 0 (off)
+// below kDenseMinRows, where the path could never run. Workspace: cap x (D + H rounded up to 256)
+// bf16, 126 MB at M = 65536 for the paper's shapes, where the heavy-tail case queues ~4100 rows.
+// With more heavy rows than cap, the per-row heavy kernel takes all of them. $TWELL_DENSE_CAP
+// overrides the rule (rows, rounded up to 128; 0, or anything under kDenseMinRows, turns it off).
 int64_t dense_cap(int64_t M) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
   int64_t cap = up(M / 8);
@@ -64,7 +65,8 @@ int64_t dense_cap(int64_t M) {
     TORCH_CHECK(end != env && *end == '\0' && v >= 0, "TWELL_DENSE_CAP must be an integer >= 0, got '", env, "'");
     cap = up(v);
   }
-  return std::min(cap, up(M));
+  cap = std::min(cap, up(M));
+  return cap < twell::kDenseMinRows ? 0 : cap;
 }
 
 int stationary_mode() {

@@ -38,9 +38,9 @@ namespace ffn {
 constexpr int WARPS = 8;          // warps per CTA (both kernels)
 constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
-// Entries per warp list; rows with more are heavy. 128 since v12: heavy rows mostly take the dense
-// path (twell_dense.cu), which beats 8 KB of gathers per entry from ~100 entries on (heavy tail
-// 4.36 -> 3.58 ms, nnz 64 6.46 -> 6.09 ms with 256 -> 128 and the path's cap at M / 16).
+// Entries per warp list; rows with more are heavy. 128 since v12, where heavy rows mostly take the
+// dense path (twell_dense.cu): with it, 256 -> 128 took the heavy tail from 3.83 to 3.58 ms and
+// nnz 64 from 6.40 to 6.09 ms (csrc/NOTES.md, v12).
 constexpr int LIST_CAP = 128;
 constexpr int FLAT = 4096;        // heavy kernel: one CTA-wide list of a tile group's entries (tile <= FLAT)
 

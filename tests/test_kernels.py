@@ -375,8 +375,9 @@ def check_rows(out, rows, x, wg, wu, wd, gated=True):
 def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, cap, monkeypatch):
     """Rows with more than 128 entries go to the heavy queue. When 384 (kDenseMinRows) to dense_cap
     rows are queued, the tensor-core dense path (csrc/twell_dense.cu) computes all of them, else the
-    per-row heavy kernel does: here ~400 heavy rows, so the path runs at cap 4096 and not at the
-    default cap of these small M (256 at M = 2000), nor when off."""
+    per-row heavy kernel does: here over 400 heavy rows, so the path runs at TWELL_DENSE_CAP=4096
+    (clamped to M rounded up to 128) and not at the default cap of these small M (M / 8 rounded up
+    to 128, under 384: off), nor when off."""
     if cap is not None:
         monkeypatch.setenv("TWELL_DENSE_CAP", cap)
     heavy_rows = list(range(3, 403))  # rows scaled by 50: hundreds of active neurons each
@@ -389,7 +390,7 @@ def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, c
     heavy, light = is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()
     assert len(heavy) >= 384, len(heavy)
     dense_cap = kernels.load().dense_cap(M)
-    assert dense_cap == {None: -(-(M // 8) // 128) * 128, "4096": -(-M // 128) * 128, "0": 0}[cap]
+    assert dense_cap == {None: 0, "4096": -(-M // 128) * 128, "0": 0}[cap]
     dense_runs = 384 <= len(heavy) <= dense_cap
     assert dense_runs == (cap == "4096")
     wdt = wd.t().contiguous()
@@ -410,18 +411,77 @@ def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, c
     monkeypatch.setenv("TWELL_DENSE_CAP", "0")
     off = run()
     assert torch.equal(out[light], off[light])
-    if dense_runs and gated:
+    if dense_runs:
         assert not torch.equal(out[heavy], off[heavy]), "the dense path did not run"
     if not dense_runs:
         assert torch.equal(out, off)
 
 
+@pytest.mark.parametrize("n_heavy,cap,runs", [(383, "512", False), (384, "384", True), (385, "384", False)])
+def test_dense_path_takes_the_queue_at_its_bounds(n_heavy, cap, runs, fused_path, monkeypatch):
+    """Exactly n_heavy rows above 128 entries: the dense path takes the whole queue from 384 rows up to
+    its cap, and none of it outside; on every fused path (the union and stationary scratch sit before
+    the dense path's buffers in the workspace)."""
+    M, D, H = 1024, 512, 1000
+    x, wg, wu, wd = inputs(M, D, H, nnz=8, tail=0.0, dense_rows=range(2, 2 + n_heavy), zero_rows=[0])
+    gate = kernels.twell_gate(x, wg)
+    assert int(gate.nnz_per_row().gt(128).sum()) == n_heavy
+    monkeypatch.setenv("TWELL_DENSE_CAP", cap)
+    wdt = wd.t().contiguous()
+    ptr = poison_allocator((M, D), torch.bfloat16)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert out.data_ptr() == ptr
+    heavy = list(range(2, 2 + n_heavy))
+    check_rows(out, heavy, x, wg, wu, wd)
+    check_rows(out, [0, 1] + list(range(2 + n_heavy, M)), x, wg, wu, wd)
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
+    off = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert torch.equal(out[heavy], off[heavy]) != runs
+
+
+def test_dense_path_with_more_tiles_than_sms(monkeypatch):
+    """Every row heavy at M = 4096: 32 row blocks, so both dense kernels loop over more tiles than there
+    are SMs (1408 and 256 tiles)."""
+    monkeypatch.setenv("TWELL_DENSE_CAP", "4096")
+    M, D, H = 4096, 2048, 5632
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.1, dense_rows=range(M))
+    gate = kernels.twell_gate(x, wg)
+    assert int(gate.nnz_per_row().gt(128).sum()) == M
+    wdt = wd.t().contiguous()
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    check_ffn(out, x, wg, wu, wd)
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
+    assert not torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+
+
+def test_ffn_with_another_x_than_the_gate_was_made_from(monkeypatch):
+    """The kernel may recompute gate values from x only when x is the TwELL's own source: with another
+    x (allowed: h comes from the TwELL, x only feeds the up projection) the dense path stays off and
+    the result is sum over active n of h[m, n] (x2[m] . w_up[n]) w_down[:, n]."""
+    monkeypatch.setenv("TWELL_DENSE_CAP", "4096")
+    M, D, H = 1024, 512, 1000
+    x, wg, wu, wd = inputs(M, D, H, nnz=8, tail=0.0, dense_rows=range(2, 500))
+    x2 = torch.randn_like(x)
+    gate = kernels.twell_gate(x, wg)
+    out = kernels.twell_gated_ffn(x2, gate, wu, wd.t().contiguous())
+    h = F.relu(x.double() @ wg.double().t()).to(torch.bfloat16).double()
+    ref = (h * (x2.double() @ wu.double().t())) @ wd.double().t()
+    for rows in (list(range(2, 500)), [0, 1] + list(range(500, M))):
+        dense = (F.relu(F.linear(x[rows], wg)) * F.linear(x2[rows], wu)) @ wd.t()
+        assert rel(out[rows], ref[rows]) <= 3 * rel(dense, ref[rows]) + 1e-4
+
+
 def test_dense_cap_rule_and_setting(monkeypatch):
     monkeypatch.delenv("TWELL_DENSE_CAP", raising=False)
     cap = kernels.load().dense_cap
-    assert [cap(1), cap(300), cap(8192), cap(65536), cap(131072)] == [0, 128, 1024, 8192, 16384]
+    # M / 8 rounded up to 128, at most M rounded up, 0 where it could never reach 384 rows
+    assert [cap(1), cap(300), cap(2000), cap(3000), cap(65536), cap(131072)] == [0, 0, 0, 384, 8192, 16384]
     monkeypatch.setenv("TWELL_DENSE_CAP", "100")
-    assert cap(65536) == 128 and cap(50) == 128
+    assert cap(65536) == 0
+    monkeypatch.setenv("TWELL_DENSE_CAP", "400")
+    assert cap(65536) == 512 and cap(300) == 384 and cap(200) == 0
     monkeypatch.setenv("TWELL_DENSE_CAP", "lots")
     with pytest.raises(RuntimeError, match="TWELL_DENSE_CAP"):
         cap(65536)

@@ -79,7 +79,11 @@ def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor) -> Te
     _kernel_checks(x)
     if x.shape[1] > 2048:
         raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
-    w_act = gate.source[1] if gate.source is not None else None
+    # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
+    # spill area could not hold): only right when x is the tensor the TwELL was made from. With any
+    # other x the kernel gets no w_act, and rows it cannot finish are completed below from the
+    # TwELL's own source.
+    w_act = gate.source[1] if gate.source is not None and gate.source[0] is x else None
     out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression)
     if w_act is None and gate.n_overflow_rows:
         rows, h = gate.overflow_rows, gate.overflow_dense.float()
