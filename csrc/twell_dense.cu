@@ -19,12 +19,10 @@
 // and is exact for any activation pattern.
 #include <cuda.h>
 
-#include <algorithm>
-
 #include "common.cuh"
 #include "tma.cuh"
 #include "twell_kernels.h"
-#include "wgmma_m64n256.cuh"
+#include "wgmma_loop.cuh"
 
 namespace twell {
 namespace dense {
@@ -122,27 +120,15 @@ __global__ void __launch_bounds__(384, 1)
     const int mb = t % m_blocks, nb = t / m_blocks;
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    int prev_stage = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      mbar_wait(&full[stage], phase);
-      const uint8_t* sa = smem + stage * STAGE_BYTES + (wg - 1) * 64 * 128;
-      const uint8_t* sb = smem + stage * STAGE_BYTES + A_BYTES;
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < BK / 16; ++k) {
-        if constexpr (MODE == DOWN)
-          wgmma_m64n256k16_bf16<1>(acc, smem_desc(sa + 32 * k), smem_desc(smem_u32(sb) + 2048 * k, BK * 128, 1024), 1);
-        else
-          wgmma_m64n256k16_bf16<0>(acc, smem_desc(sa + 32 * k), smem_desc(sb + 32 * k), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous k-block's products are done: release its stage
-      if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
-      prev_stage = stage;
-      if (++stage == STAGES) { stage = 0; phase ^= 1; }
-    }
-    wgmma_wait<0>();
-    if (prev_stage >= 0 && lane == 0) mbar_arrive(&empty[prev_stage]);
+    // B: K-major (hidden modes) or MN-major, 64-column atoms 8 KB apart (down).
+    auto b_desc = [&](int st, int k) {
+      const uint32_t sb = smem_u32(smem + st * STAGE_BYTES + A_BYTES);
+      return MODE == DOWN ? smem_desc(sb + 2048 * k, BK * 128, 1024) : smem_desc(sb + 32 * k);
+    };
+    wgmma_k_loop<MODE == DOWN ? 1 : 0, BK / 16, STAGES, false>(
+        acc, k_blocks, full, stage, phase,
+        [&](int st) { return smem_u32(smem + st * STAGE_BYTES + (wg - 1) * 64 * 128); }, b_desc,
+        [&](int st) { if (lane == 0) mbar_arrive(&empty[st]); });
 
     // This thread holds rows row_in_tile (hf = 0) and row_in_tile + 8 (hf = 1), columns
     // 8i + 2q + {0, 1} in acc[4i + 2hf + {0, 1}]. Rows of the last block past n hold whatever xh held
@@ -204,14 +190,10 @@ size_t dense_workspace_words(int cap, int D, int H) {
 
 cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
-                              int device, cudaStream_t stream, int max_sms) {
+                              int ctas, cudaStream_t stream) {
   if (cap <= 0) return cudaSuccess;
-  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr) return cudaErrorInvalidValue;
+  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || ctas <= 0) return cudaErrorInvalidValue;
   const int HP = dense_hidden_width(H);
-  int sms = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  if (max_sms > 0) sms = std::min(sms, max_sms);
   const dense::Args a{count, rows, cap, static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, HP};
   CUtensorMap m_xh, m_act, m_up, m_hidden, m_down;
   const bool gated = w_up != nullptr;
@@ -219,10 +201,10 @@ cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w
       (gated && !make_map(&m_up, w_up, H, D, dense::BN / 2)) || !make_map(&m_hidden, hidden, cap, HP, dense::BM) ||
       !make_map(&m_down, w_down_t, H, D, 64))
     return cudaErrorInvalidValue;
-  err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, sms, stream)
-              : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, sms, stream);
+  const cudaError_t err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, ctas, stream)
+                                : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, ctas, stream);
   if (err != cudaSuccess) return err;
-  return dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, sms, stream);
+  return dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, ctas, stream);
 }
 
 }  // namespace twell

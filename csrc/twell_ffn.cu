@@ -415,12 +415,23 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   }
 }
 
+// The one optional path a call takes: the weight-stationary one first, else the block-union one.
+enum class Optional { none, stationary, block_union };
+inline Optional optional_path(int D, int H, bool gated, const FfnPaths& paths) {
+  if (stationary_used(paths.stationary, D, H, gated)) return Optional::stationary;
+  if (paths.union_ratio > 0.f && union_supported(D, H, gated)) return Optional::block_union;
+  return Optional::none;
+}
+
 // Words before the dense path's buffers: the heavy queue and the optional path's scratch, rounded
 // up to 128 bytes (TMA wants 16-byte aligned rows; the workspace itself is 256-byte aligned).
 inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& paths) {
   size_t w = heavy_words(M);
-  if (stationary_used(paths.stationary, D, H, gated)) w += stationary_workspace_words(M, D, H);
-  else if (paths.union_ratio > 0.f && union_supported(D, H, gated)) w += union_workspace_words(M, H);
+  switch (optional_path(D, H, gated, paths)) {
+    case Optional::stationary: w += stationary_workspace_words(M, D, H); break;
+    case Optional::block_union: w += union_workspace_words(M, H); break;
+    case Optional::none: break;
+  }
   return (w + 31) & ~size_t(31);
 }
 
@@ -454,7 +465,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
     err = launch_union_mma(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S, stream);
   if (err == cudaSuccess && p.dense_cap > 0)
     err = launch_dense_rows(p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
-                            p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, device, stream, max_sms);
+                            p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, sms, stream);
   if (err != cudaSuccess) return err;
   heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
   return cudaGetLastError();
@@ -469,9 +480,8 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
   if (M == 0) return cudaSuccess;
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0 || tile > 4096) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
-  // One optional path per call: the weight-stationary one first, else the block-union one.
-  const bool use_st = stationary_used(paths.stationary, D, H, gated);
-  const bool use_union = !use_st && paths.union_ratio > 0.f && union_supported(D, H, gated);
+  const ffn::Optional path = ffn::optional_path(D, H, gated, paths);
+  const bool use_st = path == ffn::Optional::stationary, use_union = path == ffn::Optional::block_union;
   const StWorkspace sw = stationary_workspace(workspace + ffn::heavy_words(M), M, D, H);
   const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
   ffn::Params p{static_cast<const __nv_bfloat16*>(x),

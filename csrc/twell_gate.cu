@@ -27,7 +27,7 @@
 #include "common.cuh"
 #include "tma.cuh"
 #include "twell_kernels.h"
-#include "wgmma_m64n256.cuh"
+#include "wgmma_loop.cuh"
 
 namespace twell {
 namespace gate {
@@ -252,24 +252,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int g = group0; g < n_groups; g += group_step) {
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-      int prev_stage = -1;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(&full[stage], phase);
-        const uint8_t* a = smem + stage * STAGE_BYTES + (wg - 1) * 64 * 128;
-        const uint8_t* b = smem + stage * STAGE_BYTES + A_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 16; ++k) {
-          wgmma_m64n256k16_bf16(acc, smem_desc(a + 32 * k), smem_desc(b + 32 * k), 1);
-        }
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous k-block's products are done: release its buffers
-        if (prev_stage >= 0) release(prev_stage);
-        prev_stage = stage;
-        if (++stage == STAGES) { stage = 0; phase ^= 1; }
-      }
-      wgmma_wait<0>();
-      if (prev_stage >= 0) release(prev_stage);
+      wgmma_k_loop<0, BK / 16, STAGES, false>(
+          acc, k_blocks, full, stage, phase,
+          [&](int st) { return smem_u32(smem + st * STAGE_BYTES + (wg - 1) * 64 * 128); },
+          [&](int st, int k) { return smem_desc(smem + st * STAGE_BYTES + A_BYTES + 32 * k); }, release);
 
       // Epilogue, consumer half: ReLU, bf16, into the staging buffer once the packers released it.
       // This thread holds rows row_in_tile (hf = 0) and row_in_tile + 8 (hf = 1), columns

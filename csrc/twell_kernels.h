@@ -56,7 +56,7 @@ int dense_hidden_width(int H);
 size_t dense_workspace_words(int cap, int D, int H);
 cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
-                              int device, cudaStream_t stream, int max_sms = 0);
+                              int ctas, cudaStream_t stream);  // ctas: persistent CTAs per kernel (the SMs to use)
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
 struct Workspace {

@@ -16,7 +16,7 @@
 // Rounding as in the dense bf16 FFN: u and h are rounded to bf16, all sums in fp32.
 #include "common.cuh"
 #include "twell_kernels.h"
-#include "wgmma_m64n256.cuh"
+#include "wgmma_loop.cuh"
 
 namespace twell {
 namespace uni {
@@ -182,29 +182,17 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
 // up and down share the pipeline: warpgroup 0 (128 threads) gathers operands with cp.async into a
 // ring of stages, warpgroups 1 and 2 each run wgmma m64n256k16 on their own 256 columns.
 
-// Consumer side of one K loop over `steps` stages of KS k16-steps each; returns with all MMAs done.
+// Consumer side of one K loop over `steps` stages (wgmma_k_loop; the producers fill stages with
+// cp.async and st.shared, hence the fence); zeroes acc first, returns with all MMAs done.
 template <int TB, int KS, int NST, int STAGE, int B_OFF, class DescB>
 __device__ __forceinline__ void mma_loop(float (&acc)[128], int steps, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                          int& stage, uint32_t& phase, int g, int lane, DescB desc_b) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  int prev = -1;
-  for (int kb = 0; kb < steps; ++kb) {
-    mbar_wait(&full[stage], phase);
-    fence_async_smem();  // cp.async and st.shared data (generic proxy) read by wgmma (async proxy)
-    const uint32_t a = smem_u32(smem + stage * STAGE);
-    const uint32_t bb = a + A_BYTES + g * B_OFF;
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < KS; ++k) wgmma_m64n256k16_bf16<TB>(acc, smem_desc(a + 32 * k), desc_b(bb, k), 1);
-    wgmma_commit();
-    wgmma_wait<1>();
-    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-    prev = stage;
-    if (++stage == NST) { stage = 0; phase ^= 1; }
-  }
-  wgmma_wait<0>();
-  if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+  wgmma_k_loop<TB, KS, NST, true>(
+      acc, steps, full, stage, phase, [&](int st) { return smem_u32(smem + st * STAGE); },
+      [&](int st, int k) { return desc_b(smem_u32(smem + st * STAGE) + A_BYTES + g * B_OFF, k); },
+      [&](int st) { if (lane == 0) mbar_arrive(&empty[st]); });
 }
 
 __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, uint32_t full_count) {
