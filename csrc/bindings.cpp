@@ -89,7 +89,8 @@ std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int
   check_bf16_matrix(w, "w_gate");
   TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), "twell.gate: x and w_gate disagree");
   TORCH_CHECK(x.size(1) % 64 == 0, "twell.gate: D must be a multiple of 64, got ", x.size(1));
-  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && tile % compression == 0 && tile / compression >= 2,
+  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
+                  tile / compression >= 2,
               "twell.gate: unsupported tile ", tile, " / compression ", compression);
   TORCH_CHECK(w.size(0) <= 65536, "twell.gate: H must be <= 65536");
   const int64_t M = x.size(0), H = w.size(0), S = tile / compression, cap = spill_capacity(M);
@@ -110,6 +111,8 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
                        const c10::optional<at::Tensor>& out_opt) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_down_t, "w_down_t");
+  TORCH_CHECK(compression > 0 && tile % compression == 0, "twell.ffn: unsupported tile ", tile, " / compression ",
+              compression);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
   TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
@@ -147,6 +150,43 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   return out;
 }
 
+// The whole gated FFN in one op (twell.kernels.sparse_gated_ffn): gate kernel, then the fused
+// kernels, with the light kernel overlapping the gate kernel's last wave (v13). The TwELL stays
+// internal, so nothing outside the op sees its ready counters or the queue zeroed ahead of time.
+at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                      const at::Tensor& w_down_t, int64_t tile, int64_t compression) {
+  check_bf16_matrix(x, "x");
+  const std::pair<const at::Tensor*, const char*> weights[] = {{&w_gate, "w_gate"}, {&w_up, "w_up"}, {&w_down_t, "w_down_t"}};
+  for (const auto& [w, name] : weights) {
+    check_bf16_matrix(*w, name);
+    TORCH_CHECK(w->sizes() == w_gate.sizes() && w->device() == x.device(), "twell.sparse_ffn: ", name,
+                " must be [H, D] like w_gate, on x's device");
+  }
+  const int64_t M = x.size(0), D = x.size(1), H = w_gate.size(0);
+  TORCH_CHECK(w_gate.size(1) == D, "twell.sparse_ffn: the weights must be [H, D] with x [M, D]");
+  TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.sparse_ffn: D must be a multiple of 64 and at most 2048, got ", D);
+  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
+                  tile / compression >= 2,
+              "twell.sparse_ffn: unsupported tile ", tile, " / compression ", compression);
+  TORCH_CHECK(H <= 65536, "twell.sparse_ffn: H must be <= 65536");
+  const int64_t S = tile / compression, cap = spill_capacity(M);
+  at::Tensor tw = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));
+  // spill area, its words-used counter, then the gate kernel's ready counters
+  at::Tensor spill = at::empty({cap + 1 + twell::gate_ready_words(int(M))}, x.options().dtype(at::kUInt32));
+  at::Tensor out = at::empty({M, D}, x.options());
+  const twell::FfnPaths paths{stationary_mode(), union_ratio(), int(dense_cap(M))};
+  const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), true, true, paths));
+  at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto* sp = reinterpret_cast<uint32_t*>(spill.data_ptr());
+  check_launch(twell::launch_sparse_gated_ffn(x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), w_down_t.data_ptr(),
+                                              out.data_ptr(), reinterpret_cast<uint32_t*>(tw.data_ptr()), sp, sp + cap,
+                                              uint32_t(cap), reinterpret_cast<uint32_t*>(work.data_ptr()), int(M),
+                                              int(D), int(H), int(tile), int(S), paths, x.get_device(),
+                                              c10::cuda::getCurrentCUDAStream()),
+               "sparse_ffn");
+  return out;
+}
 
 // Diagnostic: the block-union plan alone (no products). Returns (rows left to the per-row kernel,
 // union sizes |U| of the blocks that take the union path). Synchronises the device.
@@ -156,6 +196,8 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_up, "w_up");
   check_bf16_matrix(w_down_t, "w_down_t");
+  TORCH_CHECK(compression > 0 && tile % compression == 0, "twell.ffn_plan: unsupported tile ", tile,
+              " / compression ", compression);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(twell::union_supported(int(D), int(H), true), "twell.ffn_plan: the union path needs D % 512 == 0");
   check_twell_words(tw, M, H, tile, S, "ffn_plan");
@@ -188,6 +230,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"), pybind11::arg("max_sms") = 0,
         pybind11::arg("out") = pybind11::none());
+  m.def("sparse_ffn", &sparse_ffn, "gate kernel + fused up/down in one call (the fused kernel overlaps the gate's tail)",
+        pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down_t"),
+        pybind11::arg("tile"), pybind11::arg("compression"));
   m.def("dense_cap", &dense_cap, "heavy rows the dense path may take for M rows ($TWELL_DENSE_CAP or the default)",
         pybind11::arg("M"));
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");

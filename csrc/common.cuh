@@ -110,11 +110,23 @@ struct TileEntries {
   bool stored;
 };
 
+// TwELL words and spill entries are read with ld.global.cg (L2 only), not the non-coherent path:
+// since v13 the fused kernel may run while the gate kernel still writes rows it has not yet released
+// (ready flags, twell_ffn.cu), and a line cached on the non-coherent path could be stale. Each word
+// is read once, so no reuse is lost.
+__device__ __forceinline__ uint32_t ld_cg(const uint32_t* p) { return __ldcg(p); }
+
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Resolve count word w of the tile row whose words start at seg (S words: count, then slots).
 __device__ __forceinline__ TileEntries resolve_tile(uint32_t w, const uint32_t* seg, const uint32_t* spill, int S) {
   if ((w & SPILL_BIT) && spill != nullptr) {
     const uint32_t* sp = spill + (w & ~SPILL_BIT);
-    return {__ldg(sp), sp + 1, true};
+    return {ld_cg(sp), sp + 1, true};
   }
   return {w, seg + 1, w <= uint32_t(S - 1)};
 }
@@ -134,7 +146,7 @@ __device__ __forceinline__ int row_entries(uint32_t* dst, const uint32_t* words,
     uint32_t first = 0;  // the first entry's word in the row, or SPILL_BIT | its index in the spill area
     if (t < n_tiles) {
       const uint32_t* seg = words + size_t(t) * S;
-      te = resolve_tile(__ldg(seg), seg, spill, S);
+      te = resolve_tile(ld_cg(seg), seg, spill, S);
       first = te.entries == seg + 1 ? uint32_t(t * S + 1) : SPILL_BIT | uint32_t(te.entries - spill);
     }
     if (__any_sync(0xffffffffu, !te.stored)) return -1;
@@ -153,7 +165,7 @@ __device__ __forceinline__ int row_entries(uint32_t* dst, const uint32_t* words,
     const int i = 32 * k + lane;
     if (i < n) {
       const uint32_t r = dst[i];
-      v[k] = (r & SPILL_BIT) ? __ldg(spill + (r & ~SPILL_BIT)) : __ldg(words + r);
+      v[k] = (r & SPILL_BIT) ? ld_cg(spill + (r & ~SPILL_BIT)) : ld_cg(words + r);
     }
   }
 #pragma unroll

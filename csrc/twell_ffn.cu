@@ -63,6 +63,8 @@ struct Params {
   __nv_bfloat16* xh;              // dense path: x of heavy rows h < dense_cap (null: path off)
   int dense_cap;                  // the dense path's row capacity (0: off)
   int M, D, H, n_tiles, T, S;
+  const uint32_t* ready;          // v13: the gate kernel's ready counters (null: the TwELL is complete)
+  uint32_t ready_target;          // a row's words are final once its counter reaches this
 };
 
 struct Smem {
@@ -235,7 +237,7 @@ __device__ void recompute_tile(float (&acc)[CH * 8], const RowF<CH>& x, int t, c
 
 __device__ __forceinline__ TileEntries tile_info(const Params& p, int row, int t) {
   const uint32_t* seg = p.tw + (size_t(row) * p.n_tiles + t) * p.S;
-  return resolve_tile(__ldg(seg), seg, p.spill, p.S);
+  return resolve_tile(ld_cg(seg), seg, p.spill, p.S);
 }
 
 template <int CH>
@@ -277,6 +279,11 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
     idx = __shfl_sync(0xffffffffu, idx, 0);
     if (idx >= n_rows) return -1;
     const int row = int(p.light_rows ? p.light_rows[idx] : idx);
+    if (p.ready != nullptr) {  // v13: the gate kernel may still be writing this row
+      if (lane == 0)
+        while (ld_acquire(p.ready + row / 32) < p.ready_target) __nanosleep(128);
+      __syncwarp();  // orders the other lanes' reads of the row after lane 0's acquire
+    }
     *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
     if (*n >= 0) return row;
     uint32_t h = lane == 0 ? atomicAdd(p.heavy + Q_HEAVY_COUNT, 1u) : 0u;
@@ -386,7 +393,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
         }
         uint32_t* dst = flat + sm.group_off[i];
         const uint32_t cnt = sm.group_off[i + 1] - sm.group_off[i];
-        for (uint32_t j = lane; j < cnt; j += 32) dst[j] = __ldg(ti.entries + j);
+        for (uint32_t j = lane; j < cnt; j += 32) dst[j] = ld_cg(ti.entries + j);
       }
       __syncthreads();
       const int n = int(sm.group_off[32]);
@@ -435,9 +442,13 @@ inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& path
   return (w + 31) & ~size_t(31);
 }
 
+// after_gate (v13): the call follows the gate kernel that wrote p.tw with ready counters, and the
+// caller zeroed the queue header before that kernel. The light kernel is then launched with
+// programmatic stream serialization: its CTAs start as the gate kernel's CTAs leave (the gate's last
+// partial wave leaves most SMs idle for a tile's time), and each warp waits for its row's counter.
 template <int CH, bool FULL>
 cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const StWorkspace* sw, int device,
-                      cudaStream_t stream, int max_sms) {
+                      cudaStream_t stream, int max_sms, bool after_gate) {
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
   auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
@@ -446,7 +457,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (max_sms > 0) sms = std::min(sms, max_sms);
-  if (err == cudaSuccess) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
+  if (err == cudaSuccess && !after_gate) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
                                  stream);
@@ -456,8 +467,22 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   if (err != cudaSuccess) return err;
   const int rows_per_wave = sms * WARPS;
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
-  light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
-  err = cudaGetLastError();
+  if (after_gate) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(WARPS * 32);
+    cfg.dynamicSmemBytes = SMEM_BYTES;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, light, p);
+  } else {
+    light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
+    err = cudaGetLastError();
+  }
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_products(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles,
                                      p.S, device, stream);
@@ -471,16 +496,16 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   return cudaGetLastError();
 }
 
-}  // namespace ffn
-
-cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
-                             const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
-                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
-                             int max_sms) {
+// ready: null, or the gate kernel's ready counters when the call directly follows that kernel
+// (after_gate in launch_ch; no optional path then: its plan kernels read the TwELL first).
+cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act, const void* w_up,
+                   const void* w_down_t, void* out, uint32_t* workspace, int M, int D, int H, int tile, int S,
+                   FfnPaths paths, int device, cudaStream_t stream, int max_sms, const uint32_t* ready) {
   if (M == 0) return cudaSuccess;
   if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0 || tile > 4096) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
   const ffn::Optional path = ffn::optional_path(D, H, gated, paths);
+  if (ready != nullptr && path != ffn::Optional::none) return cudaErrorInvalidValue;
   const bool use_st = path == ffn::Optional::stationary, use_union = path == ffn::Optional::block_union;
   const StWorkspace sw = stationary_workspace(workspace + ffn::heavy_words(M), M, D, H);
   const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
@@ -501,7 +526,9 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                 H,
                 (H + tile - 1) / tile,
                 tile,
-                S};
+                S,
+                ready,
+                gate_ready_target(H)};
   const Workspace* u = use_union ? &uw : nullptr;
   const StWorkspace* st = use_st ? &sw : nullptr;
   // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
@@ -512,15 +539,41 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream, max_sms);
-    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream, max_sms);
-    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream, max_sms);
-    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream, max_sms);
-    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream, max_sms);
-    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream, max_sms);
-    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream, max_sms);
-    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream, max_sms);
+    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
   }
+}
+}  // namespace ffn
+
+cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
+                             const void* w_up, const void* w_down_t, void* out, uint32_t* workspace, int M, int D,
+                             int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
+                             int max_sms) {
+  return ffn::launch(x, tw, spill, w_act, w_up, w_down_t, out, workspace, M, D, H, tile, S, paths, device, stream,
+                     max_sms, nullptr);
+}
+
+cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t,
+                                    void* out, uint32_t* tw, uint32_t* spill, uint32_t* spill_used, uint32_t spill_cap,
+                                    uint32_t* workspace, int M, int D, int H, int tile, int S, FfnPaths paths,
+                                    int device, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  const bool overlap = ffn::optional_path(D, H, true, paths) == ffn::Optional::none;
+  cudaError_t err = cudaSuccess;
+  // The queue header is zeroed before the gate kernel, so that nothing but the light kernel follows
+  // it in the stream (a memset in between would end the overlap).
+  if (overlap) err = cudaMemsetAsync(workspace, 0, ffn::Q_ROWS * sizeof(uint32_t), stream);
+  if (err == cudaSuccess)
+    err = launch_gate_twell(x, w_gate, tw, spill, spill_used, spill_cap, M, D, H, tile, S, device, stream, 0, overlap);
+  if (err != cudaSuccess) return err;
+  return ffn::launch(x, tw, spill, w_gate, w_up, w_down_t, out, workspace, M, D, H, tile, S, paths, device, stream, 0,
+                     overlap ? spill_used + 1 : nullptr);
 }
 
 size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPaths paths) {

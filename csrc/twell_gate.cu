@@ -76,10 +76,14 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank
 // Where an overflowing tile row goes: a spill area of uint32 words (count, then entries), claimed
 // with one atomicAdd per tile row. When the area is full the count word keeps the true count and
 // consumers recompute that tile from x and the weights (slow but exact).
+// ready (may be null; zeroed before the launch): one counter per 32 rows, raised by one when a
+// packer warp has stored those rows' words for one GEMM column block; the rows are final at
+// ready_target(H). The fused kernel, launched to overlap this one (v13), waits on them.
 struct Spill {
   uint32_t* words;
   uint32_t* used;  // zeroed before the launch
   uint32_t cap;
+  uint32_t* ready;
 };
 
 // Staged tile: row r holds 32 chunks of 16 bytes (8 bf16 columns each); chunk c sits at position
@@ -182,6 +186,9 @@ __global__ void __launch_bounds__(384, 1)
   const int k_blocks = D / BK;
   const uint32_t rank = CL > 1 ? cluster_rank() : 0;
   const int group0 = blockIdx.x / CL, group_step = gridDim.x / CL;
+  // A kernel launched after this one with programmatic stream serialization (the fused kernel, v13)
+  // may start as SMs free up; it waits on the ready counters, not on this grid's end.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -227,7 +234,17 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(stg_full, sphase);
         sphase ^= 1;
         // Units of 32 consecutive rows, one row per lane, dealt round-robin to the packer warps.
-        for (int u = pw; u < BM / 32; u += PACK_WARPS) pack_row<T>(stg, 32 * u + lane, m0, M, out, nb, S, n_twell_tiles, spill);
+        for (int u = pw; u < BM / 32; u += PACK_WARPS) {
+          pack_row<T>(stg, 32 * u + lane, m0, M, out, nb, S, n_twell_tiles, spill);
+          if (spill.ready != nullptr && m0 + 32 * u < M) {
+            // Release: every lane's stores, then the counter (the pattern of a grid barrier).
+            __syncwarp();
+            if (lane == 0) {
+              __threadfence();
+              atomicAdd(spill.ready + (m0 / 32 + u), 1u);
+            }
+          }
+        }
         mbar_arrive(stg_empty);
       }
     }
@@ -294,8 +311,9 @@ cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, in
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   if (max_sms > 0) sms = std::max(CL, std::min(sms, max_sms));
-  if (spill.used != nullptr) {
-    err = cudaMemsetAsync(spill.used, 0, sizeof(uint32_t), stream);
+  if (spill.used != nullptr) {  // the ready counters, when asked for, follow it: one memset
+    const size_t words = 1 + (spill.ready != nullptr ? size_t(gate_ready_words(M)) : 0);
+    err = cudaMemsetAsync(spill.used, 0, words * sizeof(uint32_t), stream);
     if (err != cudaSuccess) return err;
   }
   const int n_groups = ((((M + BM - 1) / BM) + CL - 1) / CL) * ((H + BN - 1) / BN);
@@ -369,12 +387,16 @@ thread_local char g_error[256] = "";
 const char* last_error() { return g_error; }
 void set_error(const char* msg) { snprintf(g_error, sizeof(g_error), "%s", msg); }
 
+int gate_ready_words(int M) { return 4 * ((M + gate::BM - 1) / gate::BM); }
+uint32_t gate_ready_target(int H) { return uint32_t((H + gate::BN - 1) / gate::BN); }
+
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream, int max_sms) {
+                              cudaStream_t stream, int max_sms, bool ready) {
   if (M == 0) return cudaSuccess;
   if (D % gate::BK != 0 || H > 65536 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
-  const gate::Spill sp{spill, spill_used, spill_cap};
+  if (ready && spill_used == nullptr) return cudaErrorInvalidValue;
+  const gate::Spill sp{spill, spill_used, spill_cap, ready ? spill_used + 1 : nullptr};
   // TWELL_GATE_CLUSTER=1 selects the single-CTA variant (kept for comparison).
   static const bool single = [] { const char* e = getenv("TWELL_GATE_CLUSTER"); return e && e[0] == '1'; }();
   if (single) {

@@ -13,9 +13,14 @@ namespace twell {
 // out uint32 [M, ceil(H/tile) * S], S = tile / compression, tile in {64, 128, 256}.
 // Overflowing tile rows go to spill[0 .. spill_cap) (count word = 0x80000000 | offset); *spill_used
 // (zeroed here) ends as the words claimed. spill may be null (then counts keep the true count).
+// ready: the gate_ready_words(M) words after *spill_used are counters (zeroed here with it) that
+// release rows to a fused kernel launched right after with ffn_after_gate (v13): counter r / 32
+// reaches gate_ready_target(H) once row r's words are stored.
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream, int max_sms = 0);
+                              cudaStream_t stream, int max_sms = 0, bool ready = false);
+int gate_ready_words(int M);
+uint32_t gate_ready_target(int H);
 
 // out bf16 [M, D] from TwELL words tw [M, ceil(H/tile) * S] (+ spill area, may be null).
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
@@ -38,6 +43,14 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
                              int H, int tile, int S, FfnPaths paths, int device, cudaStream_t stream,
                              int max_sms = 0);
 size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPaths paths);
+// The whole gated FFN: gate kernel (TwELL into tw, spill area as in launch_gate_twell, plus
+// gate_ready_words(M) ready counters after *spill_used), then the fused kernels with w_act = w_gate.
+// v13: without an optional path the light kernel overlaps the gate kernel's last wave (ready
+// counters, programmatic stream serialization); workspace as for launch_twell_ffn.
+cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t,
+                                    void* out, uint32_t* tw, uint32_t* spill, uint32_t* spill_used, uint32_t spill_cap,
+                                    uint32_t* workspace, int M, int D, int H, int tile, int S, FfnPaths paths,
+                                    int device, cudaStream_t stream);
 
 // Dense path for heavy rows (twell_dense.cu): when dense_takes_queue(*count, cap), for every entry h,
 // out[rows[h]] = (relu(xh[h] @ w_act^T) [* (xh[h] @ w_up^T) if w_up]) @ w_down_t, with the hidden

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from twell import kernels, reference
 from twell.formats import pack_twell
+from twell.kernels.ops import spill_capacity
 
 pytestmark = pytest.mark.gpu
 
@@ -164,6 +165,74 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, fused_path):
     out = kernels.twell_gated_ffn(x, gate, wu, wdt)
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
+
+
+def two_ops(x, wg, wu, wdt, tile=256, compression=8):
+    """The gated FFN as two ops (gate, then fused), which the one-op call must equal bit for bit."""
+    return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg, tile, compression), wu, wdt)
+
+
+def poison_twell_blocks(M, H, tile=256, compression=8):
+    """Poison blocks of the sizes of the one-op call's internal TwELL words and spill area (count words
+    0xFFFFFFFF): otherwise the allocator hands back the previous call's TwELL, and a row read before the
+    gate kernel released it would find the right words anyway."""
+    n_tiles = -(-H // tile)
+    poison_allocator((M, n_tiles * (tile // compression)), torch.int32)
+    poison_allocator((spill_capacity(M) + 1 + 4 * -(-M // 128),), torch.int32)
+
+
+@pytest.mark.parametrize("M,D,H", SHAPES)
+@pytest.mark.parametrize("tile,compression", [(256, 8), (128, 4), (64, 2)])
+@pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.35)])
+def test_one_op_ffn_equals_gate_then_fused(M, D, H, tile, compression, nnz, tail, fused_path):
+    """sparse_gated_ffn is one op whose fused kernel may start before the gate kernel ends (v13: it
+    waits on per-row ready counters). Without an optional path it takes that route, with one it runs
+    the two kernels in turn; either way the result equals gate-then-fused bit for bit."""
+    x, wg, wu, wd = inputs(M, D, H, nnz=min(nnz, H // 2), tail=tail, dense_rows=[0] if M > 1 else [],
+                           zero_rows=[M - 1] if M > 2 else [])
+    wdt = wd.t().contiguous()
+    ref = two_ops(x, wg, wu, wdt, tile, compression)
+    poison_twell_blocks(M, H, tile, compression)
+    out = kernels.sparse_gated_ffn(x, wg, wu, wdt, tile, compression)
+    check_ffn(out, x, wg, wu, wd)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("M,nnz,tail,dense_rows", [(65536, 8, 0.1, ()), (65536, 29, 0.35, ()),
+                                                    (65536, 29, 0.1, range(1000, 1500)), (256, 29, 0.35, ()),
+                                                    (700, 8, 0.1, ())],
+                         ids=["nnz8", "heavy-tail", "dense-path", "M256", "M700"])
+def test_one_op_ffn_overlap_is_race_free(M, nnz, tail, dense_rows):
+    """Twenty calls, each on poisoned TwELL blocks, must all equal the two-op result bit for bit: a row
+    read before the gate kernel released it would show as a difference (or a fault).
+    - At the benchmark's shape the fused kernel overlaps the gate kernel's last wave (rows of earlier
+      waves are ready by then); the third case sends 500 heavy rows to the dense path.
+    - At M <= 768 (H = 5632) the gate kernel has a single partial wave, so the fused kernel starts on the
+      idle SMs at once and every row must wait for its counter: a build without the wait fails here."""
+    D, H = 2048, 5632
+    x, wg, wu, wd = inputs(M, D, H, nnz=nnz, tail=tail, dense_rows=dense_rows)
+    wdt = wd.t().contiguous()
+    ref = two_ops(x, wg, wu, wdt)
+    rows = torch.randperm(M, device="cuda")[:4096]
+    check_rows(ref, rows.tolist(), x, wg, wu, wd)
+    for i in range(20):
+        poison_twell_blocks(M, H)
+        out = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"call {i}: {int((out != ref).any(1).sum())} rows differ"
+
+
+def test_one_op_ffn_with_a_full_spill_area(fused_path):
+    """Every tile row overflows and the spill area fills up: the fused kernel recomputes the rest from
+    x and w_gate, in the one-op call as in the two-op one. Which tiles find spill space depends on the
+    order of the gate kernel's atomics, and a recomputed tile rounds its gate values from another sum
+    order than the GEMM, so here calls agree to rounding, not bit for bit."""
+    x, wg, wu, wd = inputs(20000, 256, 1000, offset=-3.0)
+    gate = kernels.twell_gate(x, wg)
+    assert gate.n_spilled_tiles > 0 and gate.n_overflow_rows > 1000  # spilled, then the area was full
+    wdt = wd.t().contiguous()
+    check_ffn(kernels.sparse_gated_ffn(x, wg, wu, wdt), x, wg, wu, wd)
+    check_ffn(two_ops(x, wg, wu, wdt), x, wg, wu, wd)
 
 
 # Row word sizes (n_tiles * S words) that earlier light kernels staged through their weight ring and
@@ -505,6 +574,10 @@ def test_bad_inputs_raise_clearly():
         kernels.twell_gated_ffn(x, gate, wu, wd)  # W_down not transposed: [D, H]
     with pytest.raises(ValueError, match="multiple"):
         kernels.twell_gate(x, wg, tile=256, compression=3)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.sparse_gated_ffn(x, wg, wu, wdt, tile=256, compression=3)
+    with pytest.raises(ValueError, match="w_down_t"):
+        kernels.sparse_gated_ffn(x, wg, wu, wd)  # W_down not transposed: [D, H]
 
 
 def test_torch_compile_and_cuda_graphs(monkeypatch):
@@ -528,6 +601,7 @@ def test_torch_compile_and_cuda_graphs(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt))
+    assert torch.equal(static_out, two_ops(x2, wg, wu, wdt))
     is_heavy = kernels.twell_gate(x2, wg).nnz_per_row().gt(128).cpu()
     for rows in (is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()):
         check_rows(static_out, rows, x2, wg, wu, wd)

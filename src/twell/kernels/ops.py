@@ -1,10 +1,12 @@
 """torch.library ops around the CUDA kernels, with the signatures of ``twell.reference``.
 
-Two custom ops carry the work (fake implementations registered, so ``torch.compile`` and CUDA
+Three custom ops carry the work (fake implementations registered, so ``torch.compile`` and CUDA
 graphs can trace them without running them):
 
 - ``twell::gate(x, w_gate, tile, compression) -> packed`` : TwELL words from the gate GEMM epilogue
 - ``twell::ffn(x, packed, w_act?, w_up?, w_down_t, tile, compression) -> out`` : fused up/down
+- ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression) -> out`` : both in one call, the
+  fused kernel overlapping the gate kernel's tail
 
 The public functions validate inputs with readable errors (shared with the reference), then call
 the ops. A TwELL from :func:`twell_gate` carries the gate kernel's spill area (the entries of tile rows that
@@ -63,6 +65,16 @@ def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression):
     return x.new_empty((packed.shape[0], w_down_t.shape[1]))
 
 
+@torch.library.custom_op("twell::sparse_ffn", mutates_args=())
+def _sparse_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int, compression: int) -> Tensor:
+    return load().sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression)
+
+
+@_sparse_ffn_op.register_fake
+def _(x, w_gate, w_up, w_down_t, tile, compression):
+    return x.new_empty(x.shape)
+
+
 def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:
     """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D])."""
     check_gate_args(x, w_gate, tile, compression)
@@ -114,8 +126,23 @@ def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
                      compression: int = 8) -> Tensor:
-    """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel."""
-    return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
+    """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
+
+    One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
+    last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
+    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``.
+    """
+    check_gate_args(x, w_gate, tile, compression)
+    _kernel_checks(x)
+    if tile not in (64, 128, 256):
+        raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
+    if w_gate.shape[0] > MAX_COLUMNS:
+        raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
+    if x.shape[1] > 2048:
+        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+    for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
+        check_tensor(name, w, dtype=torch.bfloat16, shape=tuple(w_gate.shape), device=x.device, contiguous=True)
+    return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression)
 
 
 
