@@ -82,17 +82,22 @@ int stationary_mode() {
 // their true counts and the fused kernel recomputes them exactly).
 int64_t spill_capacity(int64_t M) { return std::max<int64_t>(int64_t(1) << 20, M * 64); }
 
+// The gate kernel's inputs (gate_twell and sparse_ffn): x [M, D], w_gate [H, D], the tiling.
+void check_gate_inputs(const at::Tensor& x, const at::Tensor& w, int64_t tile, int64_t compression, const char* op) {
+  check_bf16_matrix(x, "x");
+  check_bf16_matrix(w, "w_gate");
+  TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), op, ": x and w_gate disagree");
+  TORCH_CHECK(x.size(1) % 64 == 0, op, ": D must be a multiple of 64, got ", x.size(1));
+  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
+                  tile / compression >= 2,
+              op, ": unsupported tile ", tile, " / compression ", compression);
+  TORCH_CHECK(w.size(0) <= 65536, op, ": H must be <= 65536");
+}
+
 // max_sms > 0 caps the SMs a launch may occupy (the rest stay free for a kernel on another stream).
 std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int64_t tile, int64_t compression,
                                    int64_t max_sms) {
-  check_bf16_matrix(x, "x");
-  check_bf16_matrix(w, "w_gate");
-  TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), "twell.gate: x and w_gate disagree");
-  TORCH_CHECK(x.size(1) % 64 == 0, "twell.gate: D must be a multiple of 64, got ", x.size(1));
-  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
-                  tile / compression >= 2,
-              "twell.gate: unsupported tile ", tile, " / compression ", compression);
-  TORCH_CHECK(w.size(0) <= 65536, "twell.gate: H must be <= 65536");
+  check_gate_inputs(x, w, tile, compression, "twell.gate");
   const int64_t M = x.size(0), H = w.size(0), S = tile / compression, cap = spill_capacity(M);
   at::Tensor out = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));
   at::Tensor spill = at::empty({cap + 1}, x.options().dtype(at::kUInt32));  // last word: words used
@@ -155,20 +160,14 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
 // internal, so nothing outside the op sees its ready counters or the queue zeroed ahead of time.
 at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                       const at::Tensor& w_down_t, int64_t tile, int64_t compression) {
-  check_bf16_matrix(x, "x");
-  const std::pair<const at::Tensor*, const char*> weights[] = {{&w_gate, "w_gate"}, {&w_up, "w_up"}, {&w_down_t, "w_down_t"}};
-  for (const auto& [w, name] : weights) {
+  check_gate_inputs(x, w_gate, tile, compression, "twell.sparse_ffn");
+  for (const auto& [w, name] : {std::pair{&w_up, "w_up"}, std::pair{&w_down_t, "w_down_t"}}) {
     check_bf16_matrix(*w, name);
     TORCH_CHECK(w->sizes() == w_gate.sizes() && w->device() == x.device(), "twell.sparse_ffn: ", name,
                 " must be [H, D] like w_gate, on x's device");
   }
   const int64_t M = x.size(0), D = x.size(1), H = w_gate.size(0);
-  TORCH_CHECK(w_gate.size(1) == D, "twell.sparse_ffn: the weights must be [H, D] with x [M, D]");
-  TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.sparse_ffn: D must be a multiple of 64 and at most 2048, got ", D);
-  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
-                  tile / compression >= 2,
-              "twell.sparse_ffn: unsupported tile ", tile, " / compression ", compression);
-  TORCH_CHECK(H <= 65536, "twell.sparse_ffn: H must be <= 65536");
+  TORCH_CHECK(D <= 2048, "twell.sparse_ffn: the fused kernel needs D <= 2048, got ", D);
   const int64_t S = tile / compression, cap = spill_capacity(M);
   at::Tensor tw = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));
   // spill area, its words-used counter, then the gate kernel's ready counters

@@ -442,13 +442,14 @@ inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& path
   return (w + 31) & ~size_t(31);
 }
 
-// after_gate (v13): the call follows the gate kernel that wrote p.tw with ready counters, and the
+// p.ready set (v13): the call follows the gate kernel that wrote p.tw with ready counters, and the
 // caller zeroed the queue header before that kernel. The light kernel is then launched with
 // programmatic stream serialization: its CTAs start as the gate kernel's CTAs leave (the gate's last
 // partial wave leaves most SMs idle for a tile's time), and each warp waits for its row's counter.
 template <int CH, bool FULL>
 cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const StWorkspace* sw, int device,
-                      cudaStream_t stream, int max_sms, bool after_gate) {
+                      cudaStream_t stream, int max_sms) {
+  const bool after_gate = p.ready != nullptr;
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
   auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
@@ -467,22 +468,17 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
   if (err != cudaSuccess) return err;
   const int rows_per_wave = sms * WARPS;
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
-  if (after_gate) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(WARPS * 32);
-    cfg.dynamicSmemBytes = SMEM_BYTES;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaLaunchKernelEx(&cfg, light, p);
-  } else {
-    light<<<grid, WARPS * 32, SMEM_BYTES, stream>>>(p);
-    err = cudaGetLastError();
-  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = after_gate ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, light, p);
   if (err == cudaSuccess && sw != nullptr)
     err = launch_stationary_products(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles,
                                      p.S, device, stream);
@@ -497,7 +493,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, const S
 }
 
 // ready: null, or the gate kernel's ready counters when the call directly follows that kernel
-// (after_gate in launch_ch; no optional path then: its plan kernels read the TwELL first).
+// (see launch_ch; no optional path then: its plan kernels read the TwELL first).
 cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act, const void* w_up,
                    const void* w_down_t, void* out, uint32_t* workspace, int M, int D, int H, int tile, int S,
                    FfnPaths paths, int device, cudaStream_t stream, int max_sms, const uint32_t* ready) {
@@ -539,14 +535,14 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
-    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream, max_sms, ready != nullptr);
+    case 1: return ffn::launch_ch<1, false>(p, u, ratio, st, device, stream, max_sms);
+    case 2: return ffn::launch_ch<2, false>(p, u, ratio, st, device, stream, max_sms);
+    case 4: return ffn::launch_ch<4, false>(p, u, ratio, st, device, stream, max_sms);
+    case 8: return ffn::launch_ch<8, false>(p, u, ratio, st, device, stream, max_sms);
+    case -1: return ffn::launch_ch<1, true>(p, u, ratio, st, device, stream, max_sms);
+    case -2: return ffn::launch_ch<2, true>(p, u, ratio, st, device, stream, max_sms);
+    case -4: return ffn::launch_ch<4, true>(p, u, ratio, st, device, stream, max_sms);
+    default: return ffn::launch_ch<8, true>(p, u, ratio, st, device, stream, max_sms);
   }
 }
 }  // namespace ffn

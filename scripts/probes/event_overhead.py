@@ -11,15 +11,9 @@ from twell import kernels, reference
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import L2Flusher
 
-inp = calibrated_ffn_inputs(65536, 2048, 5632, 8, 0.1, seed=0, device="cuda")
-wdt = inp.w_down.t().contiguous()
-sparse = lambda: kernels.sparse_gated_ffn(inp.x, inp.w_gate, inp.w_up, wdt)  # noqa: E731
-gate = lambda: kernels.twell_gate(inp.x, inp.w_gate)  # noqa: E731
-dense = lambda: reference.dense_gated_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)  # noqa: E731
-flush = L2Flusher(torch.device("cuda"))
-
 
 def timed(fn, before, reps=30):
+    """Median event time of fn in us, `before` run ahead of every call (outside the events)."""
     for _ in range(3):
         before()
         fn()
@@ -36,20 +30,33 @@ def timed(fn, before, reps=30):
 
 
 def spin():
+    """~1.5 ms on the GPU doing nothing: a rest, and every later op is queued before it runs."""
     torch.cuda._sleep(3_000_000)
 
 
-variants = {
-    "flush (bench loop, sparse only)": (sparse, flush),
-    "flush + spin": (sparse, lambda: (flush(), spin())),
-    "no flush": (sparse, lambda: None),
-    "dense, flush (bench loop with dense)": (sparse, lambda: (dense(), flush())),
-    "dense, flush, spin": (sparse, lambda: (dense(), flush(), spin())),
-    "empty call, flush": (lambda: None, flush),
-    "gate only, flush": (gate, flush),
-    "gate only, flush + spin": (gate, lambda: (flush(), spin())),
-    "dense ffn, flush": (dense, flush),
-    "dense ffn, flush + spin": (dense, lambda: (flush(), spin())),
-}
-for name, (fn, before) in variants.items():
-    print(f"{name:40s} {timed(fn, before):9.1f} us", flush=True)
+def main():
+    inp = calibrated_ffn_inputs(65536, 2048, 5632, 8, 0.1, seed=0, device="cuda")
+    wdt = inp.w_down.t().contiguous()
+    sparse = lambda: kernels.sparse_gated_ffn(inp.x, inp.w_gate, inp.w_up, wdt)  # noqa: E731
+    gate = lambda: kernels.twell_gate(inp.x, inp.w_gate)  # noqa: E731
+    dense = lambda: reference.dense_gated_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)  # noqa: E731
+    flush = L2Flusher(torch.device("cuda"))
+
+    variants = {
+        "flush (bench loop, sparse only)": (sparse, flush),
+        "flush + spin": (sparse, lambda: (flush(), spin())),
+        "no flush": (sparse, lambda: None),
+        "dense, flush (bench loop with dense)": (sparse, lambda: (dense(), flush())),
+        "dense, flush, spin": (sparse, lambda: (dense(), flush(), spin())),
+        "empty call, flush": (lambda: None, flush),
+        "gate only, flush": (gate, flush),
+        "gate only, flush + spin": (gate, lambda: (flush(), spin())),
+        "dense ffn, flush": (dense, flush),
+        "dense ffn, flush + spin": (dense, lambda: (flush(), spin())),
+    }
+    for name, (fn, before) in variants.items():
+        print(f"{name:40s} {timed(fn, before):9.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

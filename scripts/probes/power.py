@@ -1,10 +1,9 @@
 """Energy, power and time per call of the pieces of the sparse FFN at nnz 8, M = 65536: the H100 runs
 the benchmark at its power limit, so a call's energy sets its speed. For each piece: J per call and
 mean W over a 2 s back-to-back loop (NVML), ms per call in that loop (wall / calls) and the event
-time after a 1.5 ms rest. Run once per build or setting (e.g. TWELL_GATE_CLUSTER=1) in its own process.
+time after a 1.5 ms rest (event_overhead.timed with its spin). Run once per build or setting (e.g. TWELL_GATE_CLUSTER=1) in its own process.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/power.py [label]
 """
-import statistics
 import sys
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from twell import kernels, reference
 from twell.bench.energy import EnergyMeter
 from twell.bench.generator import calibrated_ffn_inputs
+from event_overhead import spin, timed  # sibling probe (this directory is on sys.path when run as a script)
 
 label = sys.argv[1] if len(sys.argv) > 1 else "this tree"
 inp = calibrated_ffn_inputs(65536, 2048, 5632, 8, 0.1, seed=0, device="cuda")
@@ -27,21 +27,7 @@ pieces = {
 }
 meter = EnergyMeter("cuda")
 
-
-def rested_ms(fn, reps=15):
-    ev = []
-    for _ in range(reps):
-        torch.cuda._sleep(3_000_000)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
-
-
 for name, fn in pieces.items():
     en = meter.measure(fn, 2.0)
     print(f"{label} | {name:14s} {en.joules / en.calls:6.3f} J/call {en.joules / en.seconds:6.1f} W "
-          f"loop {en.seconds / en.calls * 1e3:6.3f} ms rested {rested_ms(fn):6.3f} ms", flush=True)
+          f"loop {en.seconds / en.calls * 1e3:6.3f} ms rested {timed(fn, spin, reps=15) / 1e3:6.3f} ms", flush=True)

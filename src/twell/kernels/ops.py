@@ -75,22 +75,30 @@ def _(x, w_gate, w_up, w_down_t, tile, compression):
     return x.new_empty(x.shape)
 
 
-def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:
-    """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D])."""
+def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> None:
     check_gate_args(x, w_gate, tile, compression)
     _kernel_checks(x)
     if tile not in (64, 128, 256):
         raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
     if w_gate.shape[0] > MAX_COLUMNS:
         raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
+
+
+def _fused_kernel_checks(x: Tensor) -> None:
+    _kernel_checks(x)
+    if x.shape[1] > 2048:
+        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+
+
+def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+    """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D])."""
+    _gate_kernel_checks(x, w_gate, tile, compression)
     packed, spill = _gate_op(x, w_gate, tile, compression)
     return TwELL(packed, None, None, w_gate.shape[0], tile, compression, source=(x, w_gate), spill=spill)
 
 
 def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor) -> Tensor:
-    _kernel_checks(x)
-    if x.shape[1] > 2048:
-        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+    _fused_kernel_checks(x)
     # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
     # spill area could not hold): only right when x is the tensor the TwELL was made from. With any
     # other x the kernel gets no w_act, and rows it cannot finish are completed below from the
@@ -132,14 +140,8 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
     bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``.
     """
-    check_gate_args(x, w_gate, tile, compression)
-    _kernel_checks(x)
-    if tile not in (64, 128, 256):
-        raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
-    if w_gate.shape[0] > MAX_COLUMNS:
-        raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
-    if x.shape[1] > 2048:
-        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+    _gate_kernel_checks(x, w_gate, tile, compression)
+    _fused_kernel_checks(x)
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=torch.bfloat16, shape=tuple(w_gate.shape), device=x.device, contiguous=True)
     return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression)
