@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from twell import kernels, reference
 from twell.formats import pack_twell
-from twell.kernels.ops import spill_capacity
+from twell.kernels.ops import SPARSE_FFN_COMPRESSION, spill_capacity
 
 pytestmark = pytest.mark.gpu
 
@@ -172,7 +172,7 @@ def two_ops(x, wg, wu, wdt, tile=256, compression=8):
     return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg, tile, compression), wu, wdt)
 
 
-def poison_twell_blocks(M, H, tile=256, compression=8):
+def poison_twell_blocks(M, H, tile=256, compression=SPARSE_FFN_COMPRESSION):
     """Poison blocks of the sizes of the one-op call's internal TwELL words and spill area (count words
     0xFFFFFFFF): otherwise the allocator hands back the previous call's TwELL, and a row read before the
     gate kernel released it would find the right words anyway."""
@@ -182,7 +182,7 @@ def poison_twell_blocks(M, H, tile=256, compression=8):
 
 
 @pytest.mark.parametrize("M,D,H", SHAPES)
-@pytest.mark.parametrize("tile,compression", [(256, 8), (128, 4), (64, 2)])
+@pytest.mark.parametrize("tile,compression", [(256, 8), (256, 16), (128, 4), (64, 2)])
 @pytest.mark.parametrize("nnz,tail", [(8, 0.1), (29, 0.35)])
 def test_one_op_ffn_equals_gate_then_fused(M, D, H, tile, compression, nnz, tail, fused_path):
     """sparse_gated_ffn is one op whose fused kernel may start before the gate kernel ends (v13: it
@@ -212,7 +212,7 @@ def test_one_op_ffn_overlap_is_race_free(M, nnz, tail, dense_rows):
     D, H = 2048, 5632
     x, wg, wu, wd = inputs(M, D, H, nnz=nnz, tail=tail, dense_rows=dense_rows)
     wdt = wd.t().contiguous()
-    ref = two_ops(x, wg, wu, wdt)
+    ref = two_ops(x, wg, wu, wdt)  # the published compression 8; the one op's TwELL uses 16: same bits
     rows = torch.randperm(M, device="cuda")[:4096]
     check_rows(ref, rows.tolist(), x, wg, wu, wd)
     for i in range(20):
@@ -578,6 +578,39 @@ def test_bad_inputs_raise_clearly():
         kernels.sparse_gated_ffn(x, wg, wu, wdt, tile=256, compression=3)
     with pytest.raises(ValueError, match="w_down_t"):
         kernels.sparse_gated_ffn(x, wg, wu, wd)  # W_down not transposed: [D, H]
+
+
+def test_bound_functions_raise_on_bad_arguments_in_a_fresh_process():
+    """The C++ checks behind the Python ones must raise, never crash: their messages format numbers,
+    which segfaulted while the H100 image's compiler linked a static libstdc++ into the extension
+    (session 18). A fresh process, so a crash fails this test and not the whole run."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from twell import kernels
+ext = kernels.load()
+x = torch.randn(64, 256, device="cuda").bfloat16(); w = torch.randn(300, 256, device="cuda").bfloat16()
+g = kernels.twell_gate(x, w)
+cases = {
+    "compression 0": lambda: ext.gate_twell(x, w, 256, 0),
+    "compression 3": lambda: ext.gate_twell(x, w, 256, 3),
+    "D must be a multiple of 64, got 200": lambda: ext.gate_twell(x[:, :200].contiguous(), w[:, :200].contiguous(), 256, 8),
+    "sparse_ffn: unsupported tile 256 / compression 0": lambda: ext.sparse_ffn(x, w, w, w, 256, 0),
+    "twell.ffn: unsupported tile 256 / compression 0": lambda: ext.ffn_forward(x, g.packed, g.spill, None, w, w, 256, 0),
+}
+for want, call in cases.items():
+    try:
+        call()
+    except RuntimeError as e:
+        assert want in str(e), (want, str(e))
+        print("raised:", want)
+    else:
+        raise AssertionError("no error: " + want)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and p.stdout.count("raised:") == 5, (p.returncode, p.stdout, p.stderr[-3000:])
 
 
 def test_torch_compile_and_cuda_graphs(monkeypatch):

@@ -1,5 +1,7 @@
 """Tests of twell.kernels.build: flags, build-cache hashing, available() reasons, the JIT loader."""
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +164,45 @@ def test_loader_builds_loads_and_caches(tmp_path):
     assert loader.load(spec) is module  # cached in the loader object
     assert Path(module.__file__).parent == spec.build_dir
     assert (spec.build_dir / "build_info.txt").read_text().startswith(f"module {spec.module_name}")
+
+
+@needs_cxx
+def test_built_extension_formats_numbers_in_a_process_with_torch(tmp_path):
+    """An extension must share torch's libstdc++: with a private static copy (what CXX=/opt/gcc/bin/g++
+    on the H100 image linked before libstdcxx_ldflags), formatting a number segfaults, and with it every
+    TORCH_CHECK message that holds one. Run in a fresh process, so a crash fails this test only."""
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    module = build.ExtensionLoader().load(spec)
+    code = ("import importlib.util, sys, torch\n"
+            f"s = importlib.util.spec_from_file_location({module.__name__!r}, {module.__file__!r})\n"
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
+            "print(m.format_int(-1234567890123))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "-1234567890123", (p.returncode, p.stdout[-500:],
+                                                                          p.stderr[-2000:])
+
+
+def test_libstdcxx_ldflags_name_the_loaded_library_only_when_the_driver_has_no_shared_one(tmp_path):
+    def fake_cxx(name: str, prints: str) -> str:
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\necho '{prints}'\n")
+        path.chmod(0o755)
+        return str(path)
+
+    real = tmp_path / "libstdc++.so"
+    real.write_text("")
+    assert build.libstdcxx_ldflags(fake_cxx("shared", str(real))) == ()
+    static_only = fake_cxx("static", "libstdc++.so")  # what g++ prints when it finds no such file
+    loaded = build.loaded_libstdcxx()
+    if sys.platform != "linux":
+        assert build.libstdcxx_ldflags(static_only) == ()
+    elif loaded is None:
+        with pytest.raises(build.BuildError, match="no shared libstdc"):
+            build.libstdcxx_ldflags(static_only)
+    else:
+        assert Path(loaded).is_file() and "libstdc++.so" in Path(loaded).name
+        assert build.libstdcxx_ldflags(static_only) == (loaded,)
+    assert build.libstdcxx_ldflags(str(tmp_path / "no-such-compiler")) == ()
 
 
 def test_loader_without_sources_raises(tmp_path):

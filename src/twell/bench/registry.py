@@ -63,7 +63,7 @@ def _twell_kernel() -> Callable:
     ok, why = kernels.available()
     if not ok:
         raise ImplUnavailable(f"twell.kernels not available: {why}")
-    return kernels.sparse_gated_ffn  # default TwELL format: tile 256, compression 8
+    return kernels.sparse_gated_ffn  # internal TwELL: tile 256, compression 16 (SPARSE_FFN_COMPRESSION)
 
 
 def _twell_reference() -> Callable:

@@ -99,6 +99,56 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+def cxx_compiler() -> str:
+    """The host C++ compiler cpp_extension compiles and links with ($CXX, else c++)."""
+    try:
+        from torch.utils.cpp_extension import get_cxx_compiler
+        return get_cxx_compiler()
+    except ImportError:  # older torch
+        return os.environ.get("CXX", "c++")
+
+
+def loaded_libstdcxx() -> str | None:
+    """Path of the libstdc++ shared library this process has loaded (torch needs it), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = sorted(set(re.findall(r"(/\S*/libstdc\+\+\.so[.\d]*)$", maps, re.M)))
+    return found[0] if found else None
+
+
+def libstdcxx_ldflags(cxx: str | None = None) -> tuple[str, ...]:
+    """Link flags that keep the extension on the process's shared libstdc++.
+
+    A compiler driver that finds only libstdc++.a (the H100 image's CXX=/opt/gcc/bin/g++) links a
+    private static copy of libstdc++ into the extension. Its iostream locale facets then disagree
+    with those of the shared copy torch loaded, and formatting a number (any TORCH_CHECK message
+    holding one) crashes (SIGSEGV) or comes out wrong instead of raising (csrc/NOTES.md, session 18). In
+    that case the loaded libstdc++.so is named as a link input, so the static archive is never used.
+    """
+    return _libstdcxx_ldflags(cxx or cxx_compiler())
+
+
+@functools.lru_cache(maxsize=8)
+def _libstdcxx_ldflags(cxx: str) -> tuple[str, ...]:
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ()  # no usable compiler: the build itself will report that
+    if os.path.isabs(found) and Path(found).exists():
+        return ()  # the driver links the shared library itself
+    if sys.platform != "linux":
+        return ()
+    loaded = loaded_libstdcxx()
+    if loaded is None:
+        raise BuildError(f"{cxx} has no shared libstdc++ (it would link libstdc++.a into the extension, which "
+                         "crashes on error messages) and this process has none loaded to link instead; "
+                         "set CXX to a compiler with a shared libstdc++", default_build_root(), "")
+    return (loaded,)
+
+
 @functools.lru_cache(maxsize=8)
 def nvcc_version(nvcc: str | None = None) -> str:
     """``release X.Y, VX.Y.Z`` line of ``nvcc --version`` ('' when nvcc is missing)."""
@@ -157,6 +207,9 @@ class ExtensionSpec:
             add("cxx_flag", flag)
         for flag in self.ldflags:
             add("ldflag", flag)
+        add("cxx", cxx_compiler())
+        for flag in libstdcxx_ldflags():
+            add("libstdcxx", flag)
         add("torch", torch.__version__)
         add("torch_cuda", str(torch.version.cuda))
         add("nvcc", nvcc_version())
@@ -218,7 +271,7 @@ class ExtensionLoader:
                 sources=[str(p) for p in spec.sources],
                 extra_cflags=list(spec.cxx_flags),
                 extra_cuda_cflags=list(spec.nvcc_flags),
-                extra_ldflags=list(spec.ldflags),
+                extra_ldflags=list(spec.ldflags) + list(libstdcxx_ldflags()),
                 extra_include_paths=sorted({str(Path(p).parent) for p in spec.sources}),
                 build_directory=str(build_dir),
                 verbose=verbose,
@@ -234,7 +287,8 @@ class ExtensionLoader:
         (build_dir / "build_info.txt").write_text(
             f"module {spec.module_name}\nseconds {time.perf_counter() - started:.1f}\n"
             f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {nvcc_version()}\n"
-            f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n")
+            f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n"
+            f"cxx {cxx_compiler()} ldflags {' '.join(spec.ldflags + libstdcxx_ldflags())}\n")
         return module
 
 

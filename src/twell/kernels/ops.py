@@ -75,6 +75,13 @@ def _(x, w_gate, w_up, w_down_t, tile, compression):
     return x.new_empty(x.shape)
 
 
+# Compression of the TwELL inside sparse_gated_ffn, which no caller sees: 16 (15 slots per 256-column
+# tile) halves the words against the published 8 and was ~1% faster at nnz 8 and 0-0.6% elsewhere in
+# four same-process A/Bs on the H100, outputs bit-identical (csrc/NOTES.md, session 18). 32 and 64
+# were no faster than 16 within noise, and leave the spill area little room on denser layers.
+SPARSE_FFN_COMPRESSION = 16
+
+
 def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> None:
     check_gate_args(x, w_gate, tile, compression)
     _kernel_checks(x)
@@ -133,12 +140,13 @@ def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
 
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
-                     compression: int = 8) -> Tensor:
+                     compression: int = SPARSE_FFN_COMPRESSION) -> Tensor:
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
     last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
-    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``.
+    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)`` (any compression: fuller
+    tiles go to the spill area, exactly, and entries are summed in column order either way).
     """
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)

@@ -2,6 +2,8 @@
 // tests/test_kernels_build.py to exercise the JIT loader end to end on a CPU machine.
 #include <Python.h>
 
+#include <sstream>
+
 #define TWELL_CAT2(a, b) a##b
 #define TWELL_CAT(a, b) TWELL_CAT2(a, b)
 #define TWELL_STR2(a) #a
@@ -14,8 +16,19 @@ static PyObject* add_scaled(PyObject*, PyObject* args) {
     return PyFloat_FromDouble(a + alpha * b);
 }
 
+// format_int(n) = str(n) through std::ostringstream: crashes when the extension carries its own static
+// libstdc++ beside the process's shared one (their locale facets disagree; csrc/NOTES.md, session 18).
+static PyObject* format_int(PyObject*, PyObject* args) {
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
+    std::ostringstream ss;
+    ss << n;
+    return PyUnicode_FromString(ss.str().c_str());
+}
+
 static PyMethodDef methods[] = {
     {"add_scaled", add_scaled, METH_VARARGS, "a + alpha * b"},
+    {"format_int", format_int, METH_VARARGS, "str(n) via std::ostringstream"},
     {nullptr, nullptr, 0, nullptr},
 };
 
