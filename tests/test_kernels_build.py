@@ -166,12 +166,27 @@ def test_loader_builds_loads_and_caches(tmp_path):
     assert (spec.build_dir / "build_info.txt").read_text().startswith(f"module {spec.module_name}")
 
 
+def _static_only_cxx(tmp_path) -> str:
+    """A compiler like the H100 image's /opt/gcc/bin/g++: it finds no shared libstdc++ and links libstdc++.a."""
+    path = tmp_path / "static-only-c++"
+    path.write_text("#!/bin/sh\n"
+                    'for a in "$@"; do [ "$a" = "-print-file-name=libstdc++.so" ] && { echo libstdc++.so; exit 0; }; done\n'
+                    f'exec {shutil.which("c++")} -static-libstdc++ "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 @needs_cxx
-def test_built_extension_formats_numbers_in_a_process_with_torch(tmp_path):
+@pytest.mark.parametrize("compiler", ["c++", "static-only"])
+def test_built_extension_formats_numbers_in_a_process_with_torch(tmp_path, monkeypatch, compiler):
     """An extension must share torch's libstdc++: with a private static copy (what CXX=/opt/gcc/bin/g++
-    on the H100 image linked before libstdcxx_ldflags), formatting a number segfaults, and with it every
-    TORCH_CHECK message that holds one. Run in a fresh process, so a crash fails this test only."""
-    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    on the H100 image linked before libstdcxx_ldflags), formatting a number segfaults or comes out
+    wrong, and with it every TORCH_CHECK message that holds one. The static-only compiler reproduces
+    that toolchain on any machine. Run in a fresh process, so a crash fails this test only."""
+    if compiler == "static-only":
+        monkeypatch.setenv("CXX", _static_only_cxx(tmp_path))
+        assert build.libstdcxx_ldflags()[0] == build.loaded_libstdcxx()
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path / "cache")
     module = build.ExtensionLoader().load(spec)
     code = ("import importlib.util, sys, torch\n"
             f"s = importlib.util.spec_from_file_location({module.__name__!r}, {module.__file__!r})\n"
@@ -201,7 +216,10 @@ def test_libstdcxx_ldflags_name_the_loaded_library_only_when_the_driver_has_no_s
             build.libstdcxx_ldflags(static_only)
     else:
         assert Path(loaded).is_file() and "libstdc++.so" in Path(loaded).name
-        assert build.libstdcxx_ldflags(static_only) == (loaded,)
+        # this fake "links" anything, so it also passes the -nostdlib++ probe
+        assert build.libstdcxx_ldflags(static_only) == (loaded, "-nostdlib++")
+        # $CXX may hold a launcher and flags
+        assert build.libstdcxx_ldflags(f"env LC_ALL=C {static_only}") == (loaded, "-nostdlib++")
     assert build.libstdcxx_ldflags(str(tmp_path / "no-such-compiler")) == ()
 
 

@@ -344,7 +344,9 @@ class BenchRunner:
     # -------------------------------------------------------------- shared
     def _case_header(self, case: Case, inp) -> dict:
         h = gate_activation(inp)
-        stats = sparsity_stats(h, tile=self.cfg.tile)
+        # At the published compression 8: the rows its format cannot hold (the published kernels err there;
+        # ours spill such tiles, and the one-op FFN's own TwELL uses compression 16).
+        stats = sparsity_stats(h, tile=self.cfg.tile, compression=8)
         del h
         return {"case": dataclasses.asdict(case), "name": case.name, "bias": inp.bias, "sparsity": stats,
                 "dense": {}, "impls": {}}
@@ -482,7 +484,7 @@ def markdown_report(result: dict) -> str:
     train = [r for r in result["cases"] if r["case"]["kind"] == "train"]
     if infer:
         lines += ["## Inference FFN", "",
-                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows "
+                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows at C 8 "
                   "| impl | dense ms | sparse ms | speedup | rel. error | gate GEMM ms (floor) | ceiling | status |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in infer:
@@ -490,7 +492,7 @@ def markdown_report(result: dict) -> str:
         lines.append("")
     if train:
         lines += ["## Training FFN (forward + backward, L1 term included)", "",
-                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows "
+                  "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows at C 8 "
                   "| impl | dense ms | sparse ms | speedup | rel. error | status |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -130,23 +131,36 @@ def libstdcxx_ldflags(cxx: str | None = None) -> tuple[str, ...]:
     return _libstdcxx_ldflags(cxx or cxx_compiler())
 
 
+def _run_cxx(cmd: list[str]) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 @functools.lru_cache(maxsize=8)
 def _libstdcxx_ldflags(cxx: str) -> tuple[str, ...]:
-    try:
-        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
-                               timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ()  # no usable compiler: the build itself will report that
-    if os.path.isabs(found) and Path(found).exists():
-        return ()  # the driver links the shared library itself
     if sys.platform != "linux":
         return ()
+    argv = shlex.split(cxx)  # $CXX may carry a launcher or flags ("ccache g++")
+    probe = _run_cxx(argv + ["-print-file-name=libstdc++.so"])
+    if probe is None:
+        return ()  # no usable compiler: the build itself will report that
+    found = probe.stdout.strip()
+    if os.path.isabs(found) and Path(found).exists():
+        return ()  # the driver links the shared library itself
     loaded = loaded_libstdcxx()
     if loaded is None:
         raise BuildError(f"{cxx} has no shared libstdc++ (it would link libstdc++.a into the extension, which "
                          "crashes on error messages) and this process has none loaded to link instead; "
                          "set CXX to a compiler with a shared libstdc++", default_build_root(), "")
-    return (loaded,)
+    # -nostdlib++ (GCC >= 13, clang) also drops the driver's own -lstdc++, so no archive member can fill
+    # in a symbol the loaded library lacks: such a symbol fails at import instead of mixing in silently.
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text("int twell_probe() { return 0; }\n")
+        link = _run_cxx(argv + ["-nostdlib++", "-shared", "-fPIC", "-o", str(Path(tmp) / "probe.so"), str(src)])
+    return (loaded,) + (("-nostdlib++",) if link is not None and link.returncode == 0 else ())
 
 
 @functools.lru_cache(maxsize=8)

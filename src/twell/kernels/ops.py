@@ -145,8 +145,9 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
     last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
-    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)`` (any compression: fuller
-    tiles go to the spill area, exactly, and entries are summed in column order either way).
+    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``, at any compression while the
+    spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
+    are recomputed and agree to rounding).
     """
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)

@@ -62,7 +62,7 @@ def twell_ffn(act: TwELL, w_down_t: torch.Tensor) -> torch.Tensor:
 
 def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256, compression: int = 16) -> torch.Tensor:
     """The whole sparse gated FFN: TwELL gate, then the fused up/down product (the kernel op's default
-    compression, twell.kernels.ops.SPARSE_FFN_COMPRESSION; the result does not depend on it)."""
+    compression, twell.kernels.ops.SPARSE_FFN_COMPRESSION; other compressions agree to rounding)."""
     return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
 
 
