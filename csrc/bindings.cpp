@@ -82,15 +82,21 @@ int stationary_mode() {
 // their true counts and the fused kernel recomputes them exactly).
 int64_t spill_capacity(int64_t M) { return std::max<int64_t>(int64_t(1) << 20, M * 64); }
 
+// tile / compression slots per tile row (checked before anything divides by compression); the gate
+// kernel also needs a tile of 64, 128 or 256 columns and at least two slots (count + one entry).
+void check_tiling(int64_t tile, int64_t compression, const char* op, bool gate_kernel) {
+  const bool ok = compression > 0 && tile % compression == 0 &&
+                  (!gate_kernel || ((tile == 64 || tile == 128 || tile == 256) && tile / compression >= 2));
+  TORCH_CHECK(ok, op, ": unsupported tile ", tile, " / compression ", compression);
+}
+
 // The gate kernel's inputs (gate_twell and sparse_ffn): x [M, D], w_gate [H, D], the tiling.
 void check_gate_inputs(const at::Tensor& x, const at::Tensor& w, int64_t tile, int64_t compression, const char* op) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w, "w_gate");
   TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), op, ": x and w_gate disagree");
   TORCH_CHECK(x.size(1) % 64 == 0, op, ": D must be a multiple of 64, got ", x.size(1));
-  TORCH_CHECK((tile == 64 || tile == 128 || tile == 256) && compression > 0 && tile % compression == 0 &&
-                  tile / compression >= 2,
-              op, ": unsupported tile ", tile, " / compression ", compression);
+  check_tiling(tile, compression, op, true);
   TORCH_CHECK(w.size(0) <= 65536, op, ": H must be <= 65536");
 }
 
@@ -116,8 +122,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
                        const c10::optional<at::Tensor>& out_opt) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_down_t, "w_down_t");
-  TORCH_CHECK(compression > 0 && tile % compression == 0, "twell.ffn: unsupported tile ", tile, " / compression ",
-              compression);
+  check_tiling(tile, compression, "twell.ffn", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
   TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
@@ -195,8 +200,7 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_up, "w_up");
   check_bf16_matrix(w_down_t, "w_down_t");
-  TORCH_CHECK(compression > 0 && tile % compression == 0, "twell.ffn_plan: unsupported tile ", tile,
-              " / compression ", compression);
+  check_tiling(tile, compression, "twell.ffn_plan", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(twell::union_supported(int(D), int(H), true), "twell.ffn_plan: the union path needs D % 512 == 0");
   check_twell_words(tw, M, H, tile, S, "ffn_plan");

@@ -15,6 +15,11 @@ __device__ __forceinline__ uint32_t entry_col(uint32_t w) { return w & 0xFFFFu; 
 __device__ __forceinline__ float bf16lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
+// Two bf16 -> one bf16x2 word (lo in the lower half), the inverse of bf16lo / bf16hi.
+__device__ __forceinline__ uint32_t pack_bf16x2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
+}
+
 // ReLU that keeps NaN (fmaxf would turn NaN into 0, hiding a bad input), rounded to bf16.
 __device__ __forceinline__ __nv_bfloat16 relu_bf16(float v) {
   return __float2bfloat16_rn(v > 0.f || v != v ? v : 0.f);

@@ -47,10 +47,6 @@ struct Args {
   int D, HP;              // HP: H rounded up to BN
 };
 
-__device__ __forceinline__ uint32_t pack_bf16x2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-  return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
-}
-
 // MODE HIDDEN_*: A = xh [cap, D] (map_a), B = w_act rows (map_b0) and w_up rows (map_b1, gated),
 // both K-major. MODE DOWN: A = hidden [cap, HP], B = w_down_t [H, D] read MN-major: a stage's B is
 // four 64 x 64 boxes (64 K rows of 128 bytes each, 8 KB apart along N), wgmma with B transposed.

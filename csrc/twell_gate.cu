@@ -284,9 +284,8 @@ __global__ void __launch_bounds__(384, 1)
         const int r = row_in_tile + 8 * hf;
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
-          const uint32_t lo = __bfloat16_as_ushort(relu_bf16(acc[4 * i + 2 * hf]));
-          const uint32_t hi = __bfloat16_as_ushort(relu_bf16(acc[4 * i + 2 * hf + 1]));
-          sts32(stg + stg_offset(r, i) + 4 * q, lo | (hi << 16));
+          sts32(stg + stg_offset(r, i) + 4 * q,
+                pack_bf16x2(relu_bf16(acc[4 * i + 2 * hf]), relu_bf16(acc[4 * i + 2 * hf + 1])));
         }
       }
       mbar_arrive(stg_full);

@@ -5,6 +5,8 @@ small multiple of the error dense bf16 PyTorch makes on the same inputs. Fresh r
 call; outputs poisoned with NaN beforehand so an unwritten element fails.
 """
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -584,9 +586,6 @@ def test_bound_functions_raise_on_bad_arguments_in_a_fresh_process():
     """The C++ checks behind the Python ones must raise, never crash: their messages format numbers,
     which segfaulted while the H100 image's compiler linked a static libstdc++ into the extension
     (session 18). A fresh process, so a crash fails this test and not the whole run."""
-    import subprocess
-    import sys
-
     code = """
 import torch
 from twell import kernels

@@ -5,14 +5,13 @@ builds cannot share one). Usage: PYTHONPATH=<tree>/src python scripts/probes/ab_
 import sys
 
 from twell import kernels, reference
-from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
+
+from probe_cases import benchmark_inputs
 
 label = sys.argv[1] if len(sys.argv) > 1 else "this tree"
 row = []
-for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
-    inp = calibrated_ffn_inputs(65536, 2048, 5632, nnz, tail, seed=0, device="cuda")
-    wdt = inp.w_down.t().contiguous()
+for nnz, tail, inp, wdt in benchmark_inputs():
     t = time_alternating({"sparse": lambda: kernels.sparse_gated_ffn(inp.x, inp.w_gate, inp.w_up, wdt),
                           "dense": lambda: reference.dense_gated_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)},
                          "cuda", reps=30)

@@ -7,15 +7,14 @@ Usage (on the H100): PYTHONPATH=src python scripts/probes/compression_ab.py [C .
 import torch
 
 from twell import kernels, reference
-from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
+
+from probe_cases import benchmark_inputs
 
 import sys
 
 CS = tuple(int(c) for c in sys.argv[1:]) or (8, 16, 4)  # timed in this order each repetition
-for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
-    inp = calibrated_ffn_inputs(65536, 2048, 5632, nnz, tail, seed=0, device="cuda")
-    wdt = inp.w_down.t().contiguous()
+for nnz, tail, inp, wdt in benchmark_inputs():
     fns = {f"C{c}": (lambda c=c: kernels.sparse_gated_ffn(inp.x, inp.w_gate, inp.w_up, wdt, compression=c)) for c in CS}
     fns["dense"] = lambda: reference.dense_gated_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
     t = time_alternating(fns, "cuda", reps=30)

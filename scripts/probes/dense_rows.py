@@ -7,15 +7,11 @@ Usage (on the H100): PYTHONPATH=src python scripts/probes/dense_rows.py [M] [cap
 """
 import sys
 
-import torch
-
 from twell import kernels, reference
-from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.paths import environ_set
-from union_ratio import kernel_times  # sibling probe (this directory is on sys.path when run as a script)
-
-CASES = [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]
+from probe_cases import benchmark_inputs  # sibling probes (this directory is on sys.path when run as a script)
+from union_ratio import kernel_times
 
 
 def with_cap(cap, fn):
@@ -29,10 +25,8 @@ def main(M=65536, caps=(0, None)):
     names = ["off" if c == 0 else "default" if c is None else f"cap{c}" for c in caps]
     print("case,M,heavy_rows," + ",".join(f"{n}_ms" for n in names) + ",dense_ms,"
           + ",".join(f"{n}_speedup" for n in names) + ",rel_diff")
-    for nnz, tail in CASES:
-        inp = calibrated_ffn_inputs(M, 2048, 5632, nnz, tail, seed=0, device="cuda")
+    for nnz, tail, inp, wdt in benchmark_inputs(M):
         x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
-        wdt = wd.t().contiguous()
         heavy = int(kernels.twell_gate(x, wg).nnz_per_row().gt(128).sum())
         fns = {n: with_cap(c, lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt)) for n, c in zip(names, caps)}
         fns["dense"] = lambda: reference.dense_gated_ffn(x, wg, wu, wd)

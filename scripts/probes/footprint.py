@@ -6,12 +6,10 @@ pass and a down pass (each with one table) would pay.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/footprint.py
 """
 from twell import kernels
-from twell.bench.generator import calibrated_ffn_inputs
-from union_ratio import kernel_times  # sibling probe
+from probe_cases import benchmark_inputs  # sibling probes
+from union_ratio import kernel_times
 
-for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1)]:
-    inp = calibrated_ffn_inputs(65536, 2048, 5632, nnz, tail, seed=0, device="cuda")
-    wdt = inp.w_down.t().contiguous()
+for nnz, tail, inp, wdt in benchmark_inputs(names=("nnz8", "nnz29", "nnz64")):
     gate = kernels.twell_gate(inp.x, inp.w_gate)
     g = kernel_times(lambda: kernels.twell_gated_ffn(inp.x, gate, inp.w_up, wdt), reps=10)
     u = kernel_times(lambda: kernels.twell_ffn(gate, wdt), reps=10)

@@ -8,15 +8,14 @@ import sys
 import torch
 
 from twell import kernels, reference
-from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
+
+from probe_cases import benchmark_inputs
 
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 print("case,dense_ms,one_op_ms,two_ops_ms,one_op_x,two_ops_x,gain_pct,bit_equal")
-for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
-    inp = calibrated_ffn_inputs(65536, 2048, 5632, nnz, tail, seed=0, device="cuda")
+for nnz, tail, inp, wdt in benchmark_inputs():
     x, wg, wu = inp.x, inp.w_gate, inp.w_up
-    wdt = inp.w_down.t().contiguous()
     one = lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt)  # noqa: E731
     two = lambda: kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt)  # noqa: E731
     dense = lambda: reference.dense_gated_ffn(x, wg, wu, inp.w_down)  # noqa: E731

@@ -12,8 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from twell import kernels
-from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import L2Flusher, time_alternating
+
+from probe_cases import benchmark_inputs
 
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
 
@@ -22,9 +23,7 @@ def short(name: str) -> str:
     return name.split("(")[0].replace("void ", "").replace("twell::", "")[:60]
 
 
-for nnz, tail in [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]:
-    inp = calibrated_ffn_inputs(65536, 2048, 5632, nnz, tail, seed=0, device="cuda")
-    wdt = inp.w_down.t().contiguous()
+for nnz, tail, inp, wdt in benchmark_inputs():
     call = lambda: kernels.sparse_gated_ffn(inp.x, inp.w_gate, inp.w_up, wdt)  # noqa: E731
     flush = L2Flusher(torch.device("cuda"))
     call()

@@ -219,16 +219,18 @@ class ExtensionSpec:
             add("nvcc_flag", flag)
         for flag in self.cxx_flags:
             add("cxx_flag", flag)
-        for flag in self.ldflags:
+        for flag in self.link_flags():
             add("ldflag", flag)
         add("cxx", cxx_compiler())
-        for flag in libstdcxx_ldflags():
-            add("libstdcxx", flag)
         add("torch", torch.__version__)
         add("torch_cuda", str(torch.version.cuda))
         add("nvcc", nvcc_version())
         add("python", sys.version.split()[0])
         return h.hexdigest()[:16]
+
+    def link_flags(self) -> tuple[str, ...]:
+        """``ldflags`` plus what the host compiler needs to keep libstdc++ shared (libstdcxx_ldflags)."""
+        return self.ldflags + libstdcxx_ldflags()
 
     @property
     def build_dir(self) -> Path:
@@ -285,7 +287,7 @@ class ExtensionLoader:
                 sources=[str(p) for p in spec.sources],
                 extra_cflags=list(spec.cxx_flags),
                 extra_cuda_cflags=list(spec.nvcc_flags),
-                extra_ldflags=list(spec.ldflags) + list(libstdcxx_ldflags()),
+                extra_ldflags=list(spec.link_flags()),
                 extra_include_paths=sorted({str(Path(p).parent) for p in spec.sources}),
                 build_directory=str(build_dir),
                 verbose=verbose,
@@ -302,7 +304,7 @@ class ExtensionLoader:
             f"module {spec.module_name}\nseconds {time.perf_counter() - started:.1f}\n"
             f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {nvcc_version()}\n"
             f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n"
-            f"cxx {cxx_compiler()} ldflags {' '.join(spec.ldflags + libstdcxx_ldflags())}\n")
+            f"cxx {cxx_compiler()} ldflags {' '.join(spec.link_flags())}\n")
         return module
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from twell.formats import TwELL, check_tensor
 from twell.formats.twell import MAX_COLUMNS
 from twell.kernels.build import load
-from twell.reference.ffn import check_ffn_args, check_gate_args
+from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args
 
 
 def _kernel_checks(x: Tensor) -> None:
@@ -73,13 +73,6 @@ def _sparse_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, ti
 @_sparse_ffn_op.register_fake
 def _(x, w_gate, w_up, w_down_t, tile, compression):
     return x.new_empty(x.shape)
-
-
-# Compression of the TwELL inside sparse_gated_ffn, which no caller sees: 16 (15 slots per 256-column
-# tile) halves the words against the published 8 and was ~1% faster at nnz 8 and 0-0.6% elsewhere in
-# four same-process A/Bs on the H100, outputs bit-identical (csrc/NOTES.md, session 18). 32 and 64
-# were no faster than 16 within noise, and leave the spill area little room on denser layers.
-SPARSE_FFN_COMPRESSION = 16
 
 
 def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> None:

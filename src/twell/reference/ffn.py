@@ -60,9 +60,18 @@ def twell_ffn(act: TwELL, w_down_t: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
-def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256, compression: int = 16) -> torch.Tensor:
-    """The whole sparse gated FFN: TwELL gate, then the fused up/down product (the kernel op's default
-    compression, twell.kernels.ops.SPARSE_FFN_COMPRESSION; other compressions agree to rounding)."""
+# Compression of the TwELL inside sparse_gated_ffn, which no caller sees (here and in the kernel op):
+# 16 (15 slots per 256-column tile) halves the words against the published 8 and was 0.8-1.3% faster
+# at nnz 8 and 0-0.7% elsewhere in four same-process A/Bs on the H100, outputs bit-identical
+# (csrc/NOTES.md, session 18). 32 and 64 were no faster than 16 within noise, and leave the spill area
+# little room on denser layers.
+SPARSE_FFN_COMPRESSION = 16
+
+
+def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256,
+                     compression: int = SPARSE_FFN_COMPRESSION) -> torch.Tensor:
+    """The whole sparse gated FFN: TwELL gate, then the fused up/down product (other compressions
+    agree to rounding: fuller tiles overflow to the dense fallback)."""
     return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
 
 
