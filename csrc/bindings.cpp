@@ -31,20 +31,26 @@ void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile,
               "twell.", op, ": TwELL words must be uint32 [M, ceil(H/tile)*S]");
 }
 
-// Block-union path (csrc/twell_union.cu): a block of 64 rows takes it when its union of active
-// neurons is at most this many times its entries; 0 turns it off. TWELL_UNION_RATIO overrides the
-// default (read on every call, so a benchmark can compare settings in one process). Off by default:
-// on the H100 it is slower than the per-row kernel on every generator input and on the first layer of
-// the trained `small` model, faster only on its second layer (csrc/NOTES.md, v6.1): no rule yet.
-constexpr float kUnionRatioDefault = 0.0f;
-float union_ratio() {
-  const char* env = std::getenv("TWELL_UNION_RATIO");
-  if (env == nullptr || *env == '\0') return kUnionRatioDefault;
+// A number >= 0 from the environment variable `name`, else `fallback`.
+float env_nonnegative(const char* name, float fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
   char* end = nullptr;
   const float v = std::strtof(env, &end);
-  TORCH_CHECK(end != env && *end == '\0' && v >= 0.f, "TWELL_UNION_RATIO must be a number >= 0, got '", env, "'");
+  TORCH_CHECK(end != env && *end == '\0' && v >= 0.f, name, " must be a number >= 0, got '", env, "'");
   return v;
 }
+
+// Block-union path (csrc/twell_union.cu): a block of 64 rows takes it when its union U of active
+// neurons satisfies |U| <= ratio x (entries - base); ratio 0 turns it off. TWELL_UNION_RATIO and
+// TWELL_UNION_BASE override the defaults (read on every call, so a benchmark can compare settings in
+// one process). Off by default: the plan costs 0.06-0.1 ms per call where no block qualifies, as on
+// every generator input (csrc/NOTES.md, v6.1 and session 19). Session 19 fitted ratio 0.43 with
+// base 600 to the per-layer times measured so far (trained layers and generator inputs).
+constexpr float kUnionRatioDefault = 0.0f;
+constexpr float kUnionBaseDefault = 0.0f;
+float union_ratio() { return env_nonnegative("TWELL_UNION_RATIO", kUnionRatioDefault); }
+float union_base() { return env_nonnegative("TWELL_UNION_BASE", kUnionBaseDefault); }
 
 // Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off) or 1 (wherever it is
 // supported), read on every call. Off by default: slower than the per-row kernel (csrc/NOTES.md, v7).
@@ -119,7 +125,7 @@ std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::optional<at::Tensor>& spill,
                        const c10::optional<at::Tensor>& w_act, const c10::optional<at::Tensor>& w_up,
                        const at::Tensor& w_down_t, int64_t tile, int64_t compression, int64_t max_sms,
-                       const c10::optional<at::Tensor>& out_opt) {
+                       const c10::optional<at::Tensor>& out_opt, double union_ratio_arg, double union_base_arg) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_down_t, "w_down_t");
   check_tiling(tile, compression, "twell.ffn", false);
@@ -145,7 +151,9 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   } else {
     out = at::empty({M, D}, x.options());
   }
-  const twell::FfnPaths paths{stationary_mode(), union_ratio(), int(dense_cap(M))};
+  // The block-union rule of this call; a negative argument takes the environment's (or the default).
+  const twell::FfnPaths paths{stationary_mode(), union_ratio_arg < 0 ? union_ratio() : float(union_ratio_arg),
+                              union_base_arg < 0 ? union_base() : float(union_base_arg), int(dense_cap(M))};
   const int64_t words =
       int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), w_act.has_value(), paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues, path scratch, dense rows
@@ -178,7 +186,7 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
   // spill area, its words-used counter, then the gate kernel's ready counters
   at::Tensor spill = at::empty({cap + 1 + twell::gate_ready_words(int(M))}, x.options().dtype(at::kUInt32));
   at::Tensor out = at::empty({M, D}, x.options());
-  const twell::FfnPaths paths{stationary_mode(), union_ratio(), int(dense_cap(M))};
+  const twell::FfnPaths paths{stationary_mode(), union_ratio(), union_base(), int(dense_cap(M))};
   const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), true, true, paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());
@@ -193,10 +201,11 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
 }
 
 // Diagnostic: the block-union plan alone (no products). Returns (rows left to the per-row kernel,
-// union sizes |U| of the blocks that take the union path). Synchronises the device.
+// union sizes |U| of the blocks that take the union path, those blocks' indices, ascending).
+// Synchronises the device.
 std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, const c10::optional<at::Tensor>& spill,
                                  const at::Tensor& w_up, const at::Tensor& w_down_t, int64_t tile,
-                                 int64_t compression, double ratio) {
+                                 int64_t compression, double ratio, double base) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_up, "w_up");
   check_bf16_matrix(w_down_t, "w_down_t");
@@ -207,20 +216,21 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
   at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());
-  auto* base = reinterpret_cast<uint32_t*>(work.data_ptr());
-  const twell::Workspace w = twell::union_workspace(base, int(M), int(H));
+  auto* work0 = reinterpret_cast<uint32_t*>(work.data_ptr());
+  const twell::Workspace w = twell::union_workspace(work0, int(M), int(H));
   check_launch(twell::launch_union_plan(x.data_ptr(), reinterpret_cast<const uint32_t*>(tw.data_ptr()),
                                         spill ? reinterpret_cast<const uint32_t*>(spill->data_ptr()) : nullptr,
                                         w_up.data_ptr(), w_down_t.data_ptr(), nullptr, w, int(M), int(D), int(H),
-                                        int((H + tile - 1) / tile), int(S), float(ratio),
+                                        int((H + tile - 1) / tile), int(S), float(ratio), float(base),
                                         c10::cuda::getCurrentCUDAStream()),
                "ffn_plan");
   const at::Tensor ctr = work.narrow(0, 0, 2).cpu();
   const int64_t n_light = ctr[0].item<int64_t>(), n_union = ctr[1].item<int64_t>();
   const int64_t nb = (M + 63) / 64;
-  const at::Tensor blocks = work.narrow(0, w.ublocks - base, n_union).to(at::kLong);
-  const at::Tensor sizes = work.narrow(0, w.usize - base, nb).index_select(0, blocks);
-  return {at::full({1}, n_light, at::kLong), sizes.cpu().to(at::kLong)};
+  // Blocks in ascending order (the plan claims them with atomics, in no fixed order).
+  const at::Tensor blocks = std::get<0>(work.narrow(0, w.ublocks - work0, n_union).to(at::kLong).sort());
+  const at::Tensor sizes = work.narrow(0, w.usize - work0, nb).index_select(0, blocks);
+  return {at::full({1}, n_light, at::kLong), sizes.cpu().to(at::kLong), blocks.cpu()};
 }
 }  // namespace
 
@@ -232,7 +242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn_forward", &ffn_forward, "fused sparse up/down projection from TwELL", pybind11::arg("x"),
         pybind11::arg("tw"), pybind11::arg("spill"), pybind11::arg("w_act"), pybind11::arg("w_up"),
         pybind11::arg("w_down_t"), pybind11::arg("tile"), pybind11::arg("compression"), pybind11::arg("max_sms") = 0,
-        pybind11::arg("out") = pybind11::none());
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("union_ratio") = -1.0,
+        pybind11::arg("union_base") = -1.0);
   m.def("sparse_ffn", &sparse_ffn, "gate kernel + fused up/down in one call (the fused kernel overlaps the gate's tail)",
         pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down_t"),
         pybind11::arg("tile"), pybind11::arg("compression"));
@@ -240,7 +251,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("M"));
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
+  m.def("union_base", &union_base, "block-union fixed-cost term in entries ($TWELL_UNION_BASE or the default)");
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),
         pybind11::arg("spill"), pybind11::arg("w_up"), pybind11::arg("w_down_t"), pybind11::arg("tile"),
-        pybind11::arg("compression"), pybind11::arg("ratio"));
+        pybind11::arg("compression"), pybind11::arg("ratio"), pybind11::arg("base"));
 }

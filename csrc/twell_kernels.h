@@ -29,13 +29,14 @@ uint32_t gate_ready_target(int H);
 // Optional paths for the rows that allow them (the per-row kernels take the rest):
 //   stationary: the weight-stationary kernels (twell_stationary.cu), when stationary_used(...);
 //   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
-//   when its union of active neurons is at most union_ratio x its entries.
+//   when its union U of active neurons satisfies |U| <= union_ratio x (entries - union_base).
 //   dense_cap > 0: when w_act is given and between kDenseMinRows and dense_cap (a multiple of 128)
 //   rows are heavy, all of them go through the dense tensor-core path (twell_dense.cu) instead of
 //   the per-row heavy kernel.
 struct FfnPaths {
   int stationary;     // 0 off, 1 on where supported
   float union_ratio;  // 0 off
+  float union_base;   // entries the union path's fixed cost per block is worth (0: the plain ratio rule)
   int dense_cap;      // 0 off
 };
 cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act,
@@ -86,7 +87,7 @@ size_t union_workspace_words(int M, int H);
 Workspace union_workspace(uint32_t* base, int M, int H);
 cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
                               const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
-                              int S, float ratio, cudaStream_t stream);
+                              int S, float ratio, float base, cudaStream_t stream);
 cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
                              int S, cudaStream_t stream);

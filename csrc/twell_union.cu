@@ -6,7 +6,8 @@
 // here each weight row is read once per block of UB = 64 tokens, and the products run on the tensor
 // cores over the block's union U of active neurons:
 //   plan:  per block, the union U (sorted neuron ids) and each row's entries as (gate, rank in U);
-//          blocks whose union is not smaller than ratio * (their entries) go to the per-row kernel
+//          a block takes this path when |U| <= ratio * (entries - base), else its rows go to the
+//          per-row kernel
 //          (so do rows with more than ROW_CAP entries and rows with an unresolved overflow);
 //   up:    u = x_block @ w_up[U]^T (64 x |U|, K = D) with wgmma; the weight rows of U are gathered
 //          into the 128-byte-swizzled layout with cp.async; the epilogue keeps u only where a
@@ -52,7 +53,7 @@ struct Params {
   __nv_bfloat16* out;
   Workspace w;
   int M, D, H, n_tiles, S, n_blocks;
-  float ratio;
+  float ratio, base;
 };
 
 // The barrier receives one arrival from this thread once all its earlier cp.async have landed.
@@ -127,7 +128,10 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
   }
   __syncthreads();
 
-  const bool use = any && p.ratio > 0.f && float(n_union) <= p.ratio * float(entries);
+  // Per-row cost ~ entries; union cost ~ a fixed part per block (worth `base` entries: the x tile,
+  // filling two pipelines) plus |U| / ratio entries. base = 0 is the plain ratio rule.
+  const bool use = any && p.ratio > 0.f && float(entries) >= p.base &&
+                   float(n_union) <= p.ratio * (float(entries) - p.base);
   if (!use) {
     // Every row of the block goes to the per-row kernel.
     for (int rr = threadIdx.x; rr < UB; rr += blockDim.x) {
@@ -465,13 +469,13 @@ Workspace union_workspace(uint32_t* base, int M, int H) {
 // Plan, then (after the caller's per-row kernel on the rows left to it) up and down.
 cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
                               const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
-                              int S, float ratio, cudaStream_t stream) {
+                              int S, float ratio, float base, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(w.ctr, 0, 2 * sizeof(uint32_t), stream);
   if (err != cudaSuccess) return err;
   const int nb = (M + uni::UB - 1) / uni::UB;
   uni::Params p{static_cast<const __nv_bfloat16*>(x), tw, spill, static_cast<const __nv_bfloat16*>(w_up),
                 static_cast<const __nv_bfloat16*>(w_down_t), static_cast<__nv_bfloat16*>(out), w, M, D, H, n_tiles,
-                S, nb, ratio};
+                S, nb, ratio, base};
   uni::plan_kernel<<<nb, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -482,7 +486,7 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
   const int nb = (M + uni::UB - 1) / uni::UB;
   uni::Params p{static_cast<const __nv_bfloat16*>(x), tw, spill, static_cast<const __nv_bfloat16*>(w_up),
                 static_cast<const __nv_bfloat16*>(w_down_t), static_cast<__nv_bfloat16*>(out), w, M, D, H, n_tiles,
-                S, nb, 0.f};
+                S, nb, 0.f, 0.f};
   cudaError_t err = cudaFuncSetAttribute(uni::up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, uni::UP_SMEM);
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(uni::down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, uni::DOWN_SMEM);

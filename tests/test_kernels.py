@@ -378,7 +378,85 @@ def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
     check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
 
 
-@pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_STATIONARY", "yes")])
+def expected_union_blocks(gate, ratio, base, block=64, row_cap=128):
+    """The block-union rule in PyTorch: the blocks (ascending) whose union U of active neurons over
+    the rows the path can take (at most row_cap entries) satisfies |U| <= ratio * (entries - base),
+    in fp32 like the plan kernel, and their |U|."""
+    active = gate.unpack() != 0
+    counts = active.sum(1)
+    ok = counts <= row_cap
+    ids, sizes = [], []
+    for b in range(-(-gate.n_rows // block)):
+        rows = slice(b * block, (b + 1) * block)
+        take = ok[rows]
+        if not take.any():
+            continue
+        entries = counts[rows][take].sum().float()
+        union = active[rows][take].any(0).sum().float()
+        r, c = torch.tensor(ratio, dtype=torch.float32), torch.tensor(base, dtype=torch.float32)
+        if ratio > 0 and entries >= c and union <= r * (entries - c):
+            ids.append(b)
+            sizes.append(int(union))
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(sizes, dtype=torch.long)
+
+
+def test_union_rule_with_a_base_term(monkeypatch):
+    """The plan's rule |U| <= ratio * (entries - base) picks exactly the blocks a PyTorch count of the
+    TwELL picks, for the plain ratio rule (base 0), the fitted setting (0.43, 600) and a base at the
+    median block's entries (about half the blocks must then qualify, so the base term is exercised);
+    heavy and all-zero rows are mixed in. The FFN at each setting is exact."""
+    M, D, H = 4096, 1024, 2048
+    x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dead=0.7, dense_rows=[5, 2000], zero_rows=[64, 65, 4095])
+    wdt = wd.t().contiguous()
+    gate = kernels.twell_gate(x, wg)
+    active = gate.unpack() != 0
+    taken = active.sum(1) <= 128
+    per_block = torch.zeros(M // 64, device=active.device).index_add_(
+        0, torch.arange(M, device=active.device) // 64, (active.sum(1) * taken).float())
+    median = float(per_block.median())
+    settings = [(1.0, 0.0), (0.43, 600.0), (1e9, median)]
+    for ratio, base in settings:
+        plan = kernels.union_plan(x, gate, wu, wdt, ratio=ratio, base=base)
+        ids, sizes = expected_union_blocks(gate, ratio, base)
+        assert torch.equal(plan["union_block_ids"], ids), (ratio, base)
+        assert torch.equal(plan["union_sizes"], sizes), (ratio, base)
+        monkeypatch.setenv("TWELL_UNION_RATIO", str(ratio))
+        monkeypatch.setenv("TWELL_UNION_BASE", str(base))
+        assert kernels.union_plan(x, gate, wu, wdt)["union_blocks"] == len(ids)  # the variables reach the rule
+        check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt), x, wg, wu, wd)
+    n_half = len(expected_union_blocks(gate, 1e9, median)[0])
+    assert 0.3 * (M // 64) <= n_half <= 0.7 * (M // 64), n_half
+    with pytest.raises(ValueError, match="base"):
+        kernels.union_plan(x, gate, wu, wdt, ratio=1.0, base=-1.0)
+
+
+def test_union_argument_overrides_the_setting(monkeypatch):
+    """``union=(ratio, base)`` of one call wins over TWELL_UNION_*: forcing the union path by argument
+    equals forcing it by the variables bit for bit, ``(0, 0)`` equals the per-row kernel under a
+    setting that would take the union path, and the two routes differ (so each really ran). A
+    SparseFFN layer passes its ``union`` to the kernel the same way."""
+    x, wg, wu, wd = inputs(1024, 1024, 2048, nnz=29, dead=0.8)
+    wdt = wd.t().contiguous()
+    gate = kernels.twell_gate(x, wg)
+    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
+    by_setting = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    per_row_by_arg = kernels.twell_gated_ffn(x, gate, wu, wdt, union=(0, 0))
+    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
+    per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    by_arg = kernels.twell_gated_ffn(x, gate, wu, wdt, union=(1e9, 0))
+    assert torch.equal(by_arg, by_setting) and torch.equal(per_row_by_arg, per_row)
+    assert not torch.equal(by_arg, per_row)
+    check_ffn(by_arg, x, wg, wu, wd)
+    ffn = module_with(wg, wu, wd)
+    ffn.path = "kernel"
+    with torch.no_grad():
+        assert torch.equal(ffn(x), per_row)
+        ffn.union = (1e9, 0)
+        assert torch.equal(ffn(x), by_arg) and ffn.last_path == "twell-kernel"
+
+
+@pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_UNION_BASE", "-5"),
+                                          ("TWELL_STATIONARY", "yes")])
 def test_path_settings_are_checked(variable, bad, monkeypatch):
     x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
     gate = kernels.twell_gate(x, wg)

@@ -166,6 +166,25 @@ def test_module_paths_agree_and_report_themselves():
         silu.path = "reference"
 
 
+@pytest.mark.parametrize("bad", [(1.0,), (-1.0, 0.0), (0.5, -600.0), (float("inf"), 0.0), "12", 0.5])
+def test_union_rule_is_checked(bad):
+    """``union`` (the kernels' block-union rule, per call or per layer) is checked in the reference too,
+    so a bad setting fails on the CPU as it would on the GPU; a good one leaves the result unchanged."""
+    x, wg, wu, wd = ffn_inputs(70, 64, 300, -1.0, 0)
+    gate = twell_gate(x, wg)
+    wdt = wd.t().contiguous()
+    with pytest.raises(ValueError, match="union"):
+        twell_gated_ffn(x, gate, wu, wdt, union=bad)
+    assert torch.equal(twell_gated_ffn(x, gate, wu, wdt, union=(0.43, 600)), twell_gated_ffn(x, gate, wu, wdt))
+    ffn = SparseFFN(64, 300)
+    with pytest.raises(ValueError, match="union"):
+        ffn.union = bad
+    ffn.union = [0.43, 600]
+    assert ffn.union == (0.43, 600.0) and "union=(0.43, 600.0)" in repr(ffn)
+    ffn.union = None
+    assert ffn.union is None and "union" not in repr(ffn)
+
+
 def test_module_from_llama_mlp_shares_weights():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP

@@ -25,7 +25,9 @@ from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
-from union_ratio import with_ratio  # this script's directory is on sys.path
+from union_ratio import with_ratio, with_rule  # this script's directory is on sys.path
+
+RULE = (0.43, 600.0)  # the block-union rule fitted in session 19 (TWELL_UNION_RATIO, TWELL_UNION_BASE)
 
 
 def timing(x, wg, wu, wd) -> dict:
@@ -44,7 +46,8 @@ def timing(x, wg, wu, wd) -> dict:
     union = x.shape[1] % 512 == 0
     if union:
         fns.update({"sparse_union": ratio(1e9, sparse), "fused_union": ratio(1e9, fused),
-                    "fused_union_0.5": ratio(0.5, fused), "fused_union_0.35": ratio(0.35, fused)})
+                    "fused_union_0.5": ratio(0.5, fused), "fused_union_0.35": ratio(0.35, fused),
+                    "fused_union_rule": with_rule(*RULE, fused), "sparse_union_rule": with_rule(*RULE, sparse)})
     t = time_alternating(fns, "cuda", reps=30)
     xf = x.float()
     ref = F.linear(F.relu(F.linear(xf, wg.float())) * F.linear(xf, wu.float()), wd.float())
@@ -56,11 +59,14 @@ def timing(x, wg, wu, wd) -> dict:
     if union:
         res["rel_err_sparse_union"] = err(ratio(1e9, sparse)())
         res["speedup_union"] = round(t["dense"].median_ms / t["sparse_union"].median_ms, 3)
-        for r in (1e9, 0.5, 0.35):
-            plan = kernels.union_plan(x, gate, wu, wdt, ratio=r)
+        res["speedup_union_rule"] = round(t["dense"].median_ms / t["sparse_union_rule"].median_ms, 3)
+        res["rel_err_sparse_union_rule"] = err(with_rule(*RULE, sparse)())
+        for r, b in ((1e9, 0.0), (0.5, 0.0), (0.35, 0.0), RULE):
+            plan = kernels.union_plan(x, gate, wu, wdt, ratio=r, base=b)
             sz = plan["union_sizes"].float()
-            res[f"union_plan_{r:g}"] = {"blocks": plan["union_blocks"], "per_row_rows": plan["per_row_rows"],
-                                        "mean_union": round(sz.mean().item(), 1) if sz.numel() else 0}
+            res[f"union_plan_{r:g}" + (f"_base{b:g}" if b else "")] = {
+                "blocks": plan["union_blocks"], "per_row_rows": plan["per_row_rows"],
+                "mean_union": round(sz.mean().item(), 1) if sz.numel() else 0}
     return res
 
 

@@ -4,7 +4,8 @@ Three custom ops carry the work (fake implementations registered, so ``torch.com
 graphs can trace them without running them):
 
 - ``twell::gate(x, w_gate, tile, compression) -> packed`` : TwELL words from the gate GEMM epilogue
-- ``twell::ffn(x, packed, w_act?, w_up?, w_down_t, tile, compression) -> out`` : fused up/down
+- ``twell::ffn(x, packed, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
+  fused up/down (a negative union_ratio / union_base: the TWELL_UNION_* setting)
 - ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression) -> out`` : both in one call, the
   fused kernel overlapping the gate kernel's tail
 
@@ -26,7 +27,7 @@ from torch import Tensor
 from twell.formats import TwELL, check_tensor
 from twell.formats.twell import MAX_COLUMNS
 from twell.kernels.build import load
-from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args
+from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
 
 
 def _kernel_checks(x: Tensor) -> None:
@@ -56,12 +57,13 @@ def _(x, w_gate, tile, compression):
 
 @torch.library.custom_op("twell::ffn", mutates_args=())
 def _ffn_op(x: Tensor, packed: Tensor, spill: Optional[Tensor], w_act: Optional[Tensor], w_up: Optional[Tensor],
-            w_down_t: Tensor, tile: int, compression: int) -> Tensor:
-    return load().ffn_forward(x, packed, spill, w_act, w_up, w_down_t, tile, compression)
+            w_down_t: Tensor, tile: int, compression: int, union_ratio: float, union_base: float) -> Tensor:
+    return load().ffn_forward(x, packed, spill, w_act, w_up, w_down_t, tile, compression, 0, None, union_ratio,
+                              union_base)
 
 
 @_ffn_op.register_fake
-def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression):
+def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression, union_ratio, union_base):
     return x.new_empty((packed.shape[0], w_down_t.shape[1]))
 
 
@@ -97,14 +99,16 @@ def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8)
     return TwELL(packed, None, None, w_gate.shape[0], tile, compression, source=(x, w_gate), spill=spill)
 
 
-def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor) -> Tensor:
+def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
+         union: Optional[tuple[float, float]] = None) -> Tensor:
     _fused_kernel_checks(x)
+    ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
     # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
     # spill area could not hold): only right when x is the tensor the TwELL was made from. With any
     # other x the kernel gets no w_act, and rows it cannot finish are completed below from the
     # TwELL's own source.
     w_act = gate.source[1] if gate.source is not None and gate.source[0] is x else None
-    out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression)
+    out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression, ratio, base)
     if w_act is None and gate.n_overflow_rows:
         rows, h = gate.overflow_rows, gate.overflow_dense.float()
         if w_up is not None:
@@ -113,10 +117,15 @@ def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor) -> Te
     return out
 
 
-def twell_gated_ffn(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor) -> Tensor:
-    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``, exact on overflow."""
+def twell_gated_ffn(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor,
+                    union: Optional[tuple[float, float]] = None) -> Tensor:
+    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``, exact on overflow.
+
+    ``union``: ``(ratio, base)`` of the block-union rule for this call (``twell.reference.ffn.
+    check_union_rule``; ``(0, 0)``: per-row kernel only), else ``None``: TWELL_UNION_RATIO and
+    TWELL_UNION_BASE (default: off)."""
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
-    return _ffn(x, gate, w_up, w_down_t)
+    return _ffn(x, gate, w_up, w_down_t, union)
 
 
 def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
@@ -150,18 +159,27 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
 
 
 
-def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Optional[float] = None) -> dict:
+def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Optional[float] = None,
+               base: Optional[float] = None) -> dict:
     """Which rows the fused kernel would give to the block-union path (csrc/twell_union.cu).
 
-    Blocks of 64 rows take it when their union of active neurons is at most ``ratio`` times their
-    entries (default: ``$TWELL_UNION_RATIO``, else 0: the path is off unless asked for). Returns ``union_blocks``,
-    ``union_sizes`` (|U| of each, CPU int64) and ``per_row_rows`` (rows left to the per-row kernel).
-    Synchronises the device: a diagnostic, not part of the timed path.
+    A block of 64 rows takes it when its union U of active neurons satisfies
+    ``|U| <= ratio * (entries - base)``, counting the rows the path can take (at most 128 entries,
+    no unresolved overflow). Defaults: ``$TWELL_UNION_RATIO`` (else 0: the path is off unless asked
+    for) and ``$TWELL_UNION_BASE`` (else 0: the plain ratio rule). Returns ``union_blocks``,
+    ``union_block_ids`` (ascending) and ``union_sizes`` (|U| of each; CPU int64 tensors), and
+    ``per_row_rows`` (rows left to the per-row kernel). Synchronises the device: a diagnostic, not
+    part of the timed path.
     """
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
     _kernel_checks(x)
     if ratio is None:
         ratio = load().union_ratio()
-    n_light, sizes = load().ffn_plan(x, gate.packed, gate.spill, w_up, w_down_t, gate.tile, gate.compression,
-                                     float(ratio))
-    return {"union_blocks": int(sizes.numel()), "union_sizes": sizes, "per_row_rows": int(n_light.item())}
+    if base is None:
+        base = load().union_base()
+    if ratio < 0 or base < 0:
+        raise ValueError(f"union_plan: ratio and base must be >= 0, got ratio={ratio}, base={base}")
+    n_light, sizes, blocks = load().ffn_plan(x, gate.packed, gate.spill, w_up, w_down_t, gate.tile,
+                                             gate.compression, float(ratio), float(base))
+    return {"union_blocks": int(sizes.numel()), "union_block_ids": blocks, "union_sizes": sizes,
+            "per_row_rows": int(n_light.item())}

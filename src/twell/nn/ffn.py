@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twell.reference.ffn import check_union_rule
+
 PATHS = ("auto", "dense", "reference", "kernel")
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
@@ -76,6 +78,10 @@ class SparseFFN(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.tile = tile
         self.compression = compression
+        # Block-union rule of this layer's fused kernel, (ratio, base), or None for the process-wide
+        # TWELL_UNION_* setting (default off). It pays on layers with many active neurons that
+        # consecutive tokens share (csrc/NOTES.md, session 19); set it per layer.
+        self.union = None
         self.path = path
         self.train_backend: Optional[Callable[["SparseFFN", torch.Tensor], torch.Tensor]] = None
         self.track = False
@@ -106,6 +112,14 @@ class SparseFFN(nn.Module):
         self._path = value
         self.reset_auto()
 
+    @property
+    def union(self) -> Optional[tuple[float, float]]:
+        return self._union
+
+    @union.setter
+    def union(self, value) -> None:
+        self._union = check_union_rule(value)
+
     def reset_auto(self) -> None:
         """Forget the activity that ``"auto"`` measured (e.g. after loading other weights)."""
         self._auto_dense = None
@@ -125,7 +139,7 @@ class SparseFFN(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gated={self.gated}, "
-                f"activation={self.activation}, path={self.path}")
+                f"activation={self.activation}, path={self.path}" + (f", union={self.union}" if self.union else ""))
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +226,7 @@ class SparseFFN(nn.Module):
             x2 = x2.contiguous()
         if self.gated:
             gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression)
-            out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t())
+            out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t(), union=self.union)
         else:
             act = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_ffn(act, self.w_down_t())

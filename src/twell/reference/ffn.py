@@ -7,6 +7,9 @@ the layout the kernels read.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +32,38 @@ def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tens
         check_tensor(name, w, dtype=torch.bfloat16, shape=(gate.n_cols, x.shape[1]), device=x.device, contiguous=True)
 
 
+def check_union_rule(union) -> Optional[tuple[float, float]]:
+    """``None`` (the kernels' setting from TWELL_UNION_RATIO / TWELL_UNION_BASE) or ``(ratio, base)``:
+    a block of 64 rows takes the kernels' block-union path when its union U of active neurons has
+    ``|U| <= ratio * (entries - base)``; ratio 0 keeps every row on the per-row kernel. Returns the
+    pair as floats. Shared by the reference (which has one path and only checks it) and the kernels."""
+    if union is None:
+        return None
+    if isinstance(union, (str, bytes)):
+        raise ValueError(f"union must be None or (ratio, base), got {union!r}")
+    try:
+        ratio, base = (float(v) for v in union)
+    except (TypeError, ValueError):
+        raise ValueError(f"union must be None or (ratio, base), got {union!r}") from None
+    if not (math.isfinite(ratio) and math.isfinite(base)) or ratio < 0 or base < 0:
+        raise ValueError(f"union: ratio and base must be finite and >= 0, got {union!r}")
+    return ratio, base
+
+
 def twell_gate(x: torch.Tensor, w_gate: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
     """TwELL of ``relu(x @ w_gate.T)`` (x bf16 [M, D], w_gate bf16 [H, D])."""
     check_gate_args(x, w_gate, tile, compression)
     return pack_twell(F.relu(F.linear(x, w_gate)), tile, compression)
 
 
-def twell_gated_ffn(x: torch.Tensor, gate: TwELL, w_up: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
-    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``."""
+def twell_gated_ffn(x: torch.Tensor, gate: TwELL, w_up: torch.Tensor, w_down_t: torch.Tensor,
+                    union: Optional[tuple[float, float]] = None) -> torch.Tensor:
+    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``.
+
+    ``union`` picks the kernels' route (see :func:`check_union_rule`); it is checked here and does not
+    change the reference's result."""
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
+    check_union_rule(union)
     rows, cols, vals = gate.entries()
     s = vals.float() * coo_sddmm(rows, cols, x, w_up)
     out = coo_spmm(rows, cols, s, w_down_t, x.shape[0])
