@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -37,7 +38,8 @@ float env_nonnegative(const char* name, float fallback) {
   if (env == nullptr || *env == '\0') return fallback;
   char* end = nullptr;
   const float v = std::strtof(env, &end);
-  TORCH_CHECK(end != env && *end == '\0' && v >= 0.f, name, " must be a number >= 0, got '", env, "'");
+  TORCH_CHECK(end != env && *end == '\0' && v >= 0.f && std::isfinite(v), name, " must be a finite number >= 0, got '",
+              env, "'");
   return v;
 }
 
@@ -151,9 +153,14 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   } else {
     out = at::empty({M, D}, x.options());
   }
-  // The block-union rule of this call; a negative argument takes the environment's (or the default).
-  const twell::FfnPaths paths{stationary_mode(), union_ratio_arg < 0 ? union_ratio() : float(union_ratio_arg),
-                              union_base_arg < 0 ? union_base() : float(union_base_arg), int(dense_cap(M))};
+  // The block-union rule of this call: both arguments >= 0, or both negative for the environment's.
+  const bool per_call = !(union_ratio_arg < 0 && union_base_arg < 0);
+  TORCH_CHECK(!per_call || (union_ratio_arg >= 0 && union_base_arg >= 0 && std::isfinite(union_ratio_arg) &&
+                            std::isfinite(union_base_arg)),
+              "twell.ffn: union_ratio and union_base must both be finite and >= 0 (or both negative: the "
+              "TWELL_UNION_* setting), got ", union_ratio_arg, " and ", union_base_arg);
+  const twell::FfnPaths paths{stationary_mode(), per_call ? float(union_ratio_arg) : union_ratio(),
+                              per_call ? float(union_base_arg) : union_base(), int(dense_cap(M))};
   const int64_t words =
       int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), w_act.has_value(), paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues, path scratch, dense rows

@@ -27,6 +27,14 @@ def _kernels_ready():
     assert ok, f"kernels unavailable on this GPU machine: {why}"
 
 
+@pytest.fixture(autouse=True)
+def _no_path_settings(monkeypatch):
+    """Every test starts from the default paths, whatever the shell exports (the README tells users
+    to set TWELL_UNION_*); tests that want a setting set it themselves."""
+    for name in ("TWELL_UNION_RATIO", "TWELL_UNION_BASE", "TWELL_STATIONARY", "TWELL_DENSE_CAP"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def poison_allocator(shape, dtype):
     """Fill a block of the output's size with 0xFF bytes (NaN in bf16, an impossible TwELL count)
     and free it: the caching allocator hands it to the op's output. Returns its address so the test
@@ -378,54 +386,63 @@ def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
     check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
 
 
-def expected_union_blocks(gate, ratio, base, block=64, row_cap=128):
-    """The block-union rule in PyTorch: the blocks (ascending) whose union U of active neurons over
-    the rows the path can take (at most row_cap entries) satisfies |U| <= ratio * (entries - base),
-    in fp32 like the plan kernel, and their |U|."""
-    active = gate.unpack() != 0
-    counts = active.sum(1)
-    ok = counts <= row_cap
-    ids, sizes = [], []
+def union_block_counts(gate, block=64, row_cap=128):
+    """Per block of 64 rows, over the rows the union path can take (at most row_cap entries, every
+    tile stored): (entries, |U|, whether any row counts), from the TwELL's stored entries."""
+    rows, cols, _ = gate.entries()
+    active = torch.zeros(gate.n_rows, gate.n_cols, dtype=torch.bool, device=gate.device)
+    active[rows, cols] = True
+    take = (active.sum(1) <= row_cap) & ~gate.overflow_mask()
+    out = []
     for b in range(-(-gate.n_rows // block)):
-        rows = slice(b * block, (b + 1) * block)
-        take = ok[rows]
-        if not take.any():
-            continue
-        entries = counts[rows][take].sum().float()
-        union = active[rows][take].any(0).sum().float()
-        r, c = torch.tensor(ratio, dtype=torch.float32), torch.tensor(base, dtype=torch.float32)
-        if ratio > 0 and entries >= c and union <= r * (entries - c):
+        a, t = active[b * block:(b + 1) * block], take[b * block:(b + 1) * block]
+        out.append((int(a[t].sum()), int(a[t].any(0).sum()), bool(t.any())))
+    return out
+
+
+def expected_union_blocks(counts, ratio, base):
+    """The block-union rule in PyTorch, in fp32 like the plan kernel: the blocks (ascending) with
+    |U| <= ratio * (entries - base), and their |U|."""
+    r, c = torch.tensor(ratio, dtype=torch.float32), torch.tensor(base, dtype=torch.float32)
+    ids, sizes = [], []
+    for b, (entries, union, any_row) in enumerate(counts):
+        e, u = torch.tensor(float(entries)), torch.tensor(float(union))
+        if any_row and ratio > 0 and e >= c and u <= r * (e - c):
             ids.append(b)
-            sizes.append(int(union))
+            sizes.append(union)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(sizes, dtype=torch.long)
 
 
 def test_union_rule_with_a_base_term(monkeypatch):
     """The plan's rule |U| <= ratio * (entries - base) picks exactly the blocks a PyTorch count of the
-    TwELL picks, for the plain ratio rule (base 0), the fitted setting (0.43, 600) and a base at the
-    median block's entries (about half the blocks must then qualify, so the base term is exercised);
-    heavy and all-zero rows are mixed in. The FFN at each setting is exact."""
+    TwELL picks: the plain ratio rule (base 0), the fitted rule, a base at the median block's entries,
+    and the two sides of one block's edge (with ratio 1e9 a block qualifies at base = entries - 1 and
+    not at base = entries, where the right side is 0). Heavy and all-zero rows are mixed in. The FFN
+    at each setting is exact, and the variables reach the same rule."""
+    from twell.reference.ffn import UNION_RULE
+
     M, D, H = 4096, 1024, 2048
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dead=0.7, dense_rows=[5, 2000], zero_rows=[64, 65, 4095])
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
-    active = gate.unpack() != 0
-    taken = active.sum(1) <= 128
-    per_block = torch.zeros(M // 64, device=active.device).index_add_(
-        0, torch.arange(M, device=active.device) // 64, (active.sum(1) * taken).float())
-    median = float(per_block.median())
-    settings = [(1.0, 0.0), (0.43, 600.0), (1e9, median)]
+    counts = union_block_counts(gate)
+    entries = sorted(e for e, _, _ in counts)
+    median = float(entries[len(entries) // 2])
+    k = next(b for b, (e, _, _) in enumerate(counts) if e == median)
+    settings = [(1.0, 0.0), UNION_RULE, (1e9, median), (1e9, median - 1)]
     for ratio, base in settings:
         plan = kernels.union_plan(x, gate, wu, wdt, ratio=ratio, base=base)
-        ids, sizes = expected_union_blocks(gate, ratio, base)
+        ids, sizes = expected_union_blocks(counts, ratio, base)
         assert torch.equal(plan["union_block_ids"], ids), (ratio, base)
         assert torch.equal(plan["union_sizes"], sizes), (ratio, base)
         monkeypatch.setenv("TWELL_UNION_RATIO", str(ratio))
         monkeypatch.setenv("TWELL_UNION_BASE", str(base))
         assert kernels.union_plan(x, gate, wu, wdt)["union_blocks"] == len(ids)  # the variables reach the rule
         check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt), x, wg, wu, wd)
-    n_half = len(expected_union_blocks(gate, 1e9, median)[0])
-    assert 0.3 * (M // 64) <= n_half <= 0.7 * (M // 64), n_half
+    at_edge = kernels.union_plan(x, gate, wu, wdt, ratio=1e9, base=median)["union_block_ids"].tolist()
+    below = kernels.union_plan(x, gate, wu, wdt, ratio=1e9, base=median - 1)["union_block_ids"].tolist()
+    assert k in below and k not in at_edge
+    assert 0.3 * (M // 64) <= len(at_edge) <= 0.7 * (M // 64), len(at_edge)  # the base term splits the blocks
     with pytest.raises(ValueError, match="base"):
         kernels.union_plan(x, gate, wu, wdt, ratio=1.0, base=-1.0)
 
@@ -447,12 +464,52 @@ def test_union_argument_overrides_the_setting(monkeypatch):
     assert torch.equal(by_arg, by_setting) and torch.equal(per_row_by_arg, per_row)
     assert not torch.equal(by_arg, per_row)
     check_ffn(by_arg, x, wg, wu, wd)
+    ext = kernels.load()  # the raw op takes both arguments or neither (negative: the variables)
+    for ratio, base in ((1.0, -1.0), (-1.0, 600.0), (float("nan"), 0.0)):
+        with pytest.raises(RuntimeError, match="union_ratio and union_base"):
+            ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt, 256, 8, 0, None, ratio, base)
     ffn = module_with(wg, wu, wd)
     ffn.path = "kernel"
     with torch.no_grad():
         assert torch.equal(ffn(x), per_row)
         ffn.union = (1e9, 0)
         assert torch.equal(ffn(x), by_arg) and ffn.last_path == "twell-kernel"
+
+
+def test_choose_union_paths_per_layer():
+    """choose_union_paths gives the fitted rule to a layer whose 64-token blocks mostly qualify (40
+    active of ~100 live neurons: strong reuse) and (0, 0) to a layer with 4 active per token, from the
+    plan on the inputs each layer saw; the model then runs each layer on its chosen path."""
+    from twell.model import choose_union_paths
+    from twell.reference.ffn import UNION_RULE
+
+    M, D, H = 4096, 1024, 2048
+    x, wg1, wu1, wd1 = inputs(M, D, H, nnz=40, dead=0.95, seed=1)
+    _, wg2, wu2, wd2 = inputs(M, D, H, nnz=4, seed=2)
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = module_with(wg1, wu1, wd1), module_with(wg2, wu2, wd2)
+
+        def forward(self, t):
+            return self.a(t) + self.b(t)
+
+    model = TwoLayers()
+    model.a.path = model.b.path = "kernel"  # "auto" would pick dense for layer a (2% active)
+    report = choose_union_paths(model, x)
+    assert [r["layer"] for r in report] == [0, 1] and all(r["tokens"] == M for r in report)
+    assert model.a.union == UNION_RULE and report[0]["share"] >= 0.5, report
+    assert model.b.union == (0.0, 0.0) and report[1]["share"] < 0.5, report
+    for f, r, w in ((model.a, report[0], wg1), (model.b, report[1], wg2)):
+        gate = kernels.twell_gate(x, w)
+        plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), *UNION_RULE)
+        assert r["union_blocks"] == plan["union_blocks"] and r["blocks"] == M // 64
+    with torch.no_grad():
+        out = model(x)
+    ref = (kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg1), wu1, wd1.t().contiguous(), union=UNION_RULE)
+           + kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg2), wu2, wd2.t().contiguous(), union=(0, 0)))
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_UNION_BASE", "-5"),

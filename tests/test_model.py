@@ -220,6 +220,26 @@ def test_set_ffn_path_and_tracking():
     assert all(f.stats is None and not f.track for f in sparse_ffns(model))
 
 
+def test_choose_union_paths_errors(monkeypatch):
+    """Clear errors before any work: no SparseFFN layers, a bad share or rule, no kernels (the GPU
+    behaviour is tested in tests/test_kernels.py)."""
+    from twell import kernels
+    from twell.model import choose_union_paths
+
+    with pytest.raises(ValueError, match="no SparseFFN layers"):
+        choose_union_paths(torch.nn.Linear(4, 4), torch.zeros(1, 4))
+    mc = _random_cfg()
+    model, ids = build_model(mc).eval(), _ids(mc)
+    with pytest.raises(ValueError, match="min_share"):
+        choose_union_paths(model, ids, min_share=1.5)
+    with pytest.raises(ValueError, match="union"):
+        choose_union_paths(model, ids, rule=(0.5, -1))
+    monkeypatch.setattr(kernels, "available", lambda build=True: (False, "no CUDA device"))
+    with pytest.raises(RuntimeError, match="needs the TwELL kernels: no CUDA device"):
+        choose_union_paths(model, ids)
+    assert all(f.union is None for f in sparse_ffns(model))  # nothing was changed
+
+
 def test_reference_inference_path_matches_dense():
     """The sparse (TwELL reference, bf16) inference path gives the dense logits; the module says which path ran.
 

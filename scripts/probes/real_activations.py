@@ -25,9 +25,8 @@ from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
+from twell.reference.ffn import UNION_RULE as RULE
 from union_ratio import with_ratio, with_rule  # this script's directory is on sys.path
-
-RULE = (0.43, 600.0)  # the block-union rule fitted in session 19 (TWELL_UNION_RATIO, TWELL_UNION_BASE)
 
 
 def timing(x, wg, wu, wd) -> dict:

@@ -4,7 +4,7 @@ Three custom ops carry the work (fake implementations registered, so ``torch.com
 graphs can trace them without running them):
 
 - ``twell::gate(x, w_gate, tile, compression) -> packed`` : TwELL words from the gate GEMM epilogue
-- ``twell::ffn(x, packed, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
+- ``twell::ffn(x, packed, spill?, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
   fused up/down (a negative union_ratio / union_base: the TWELL_UNION_* setting)
 - ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression) -> out`` : both in one call, the
   fused kernel overlapping the gate kernel's tail
@@ -149,7 +149,8 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
     bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``, at any compression while the
     spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
-    are recomputed and agree to rounding).
+    are recomputed and agree to rounding). The block-union rule comes from TWELL_UNION_* only; with it
+    on, the kernels run in turn (no overlap). For a rule per call, use the two ops.
     """
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)
@@ -177,8 +178,7 @@ def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Op
         ratio = load().union_ratio()
     if base is None:
         base = load().union_base()
-    if ratio < 0 or base < 0:
-        raise ValueError(f"union_plan: ratio and base must be >= 0, got ratio={ratio}, base={base}")
+    ratio, base = check_union_rule((ratio, base))
     n_light, sizes, blocks = load().ffn_plan(x, gate.packed, gate.spill, w_up, w_down_t, gate.tile,
                                              gate.compression, float(ratio), float(base))
     return {"union_blocks": int(sizes.numel()), "union_block_ids": blocks, "union_sizes": sizes,

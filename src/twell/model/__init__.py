@@ -9,9 +9,10 @@ from twell.model.config import FFN_KINDS, ModelConfig, from_hf_dict
 from twell.model.hub import load_pretrained, read_state_dict, save_pretrained
 from twell.model.llama import (build_model, cast_parameters, count_parameters, logits, set_ffn_path, set_tracking,
                                sparse_ffns, swap_mlps)
+from twell.model.union_paths import choose_union_paths
 
 __all__ = [
-    "FFN_KINDS", "ModelConfig", "build_model", "cast_parameters", "count_parameters", "from_hf_dict",
-    "load_pretrained", "logits", "read_state_dict", "save_pretrained", "set_ffn_path", "set_tracking",
+    "FFN_KINDS", "ModelConfig", "build_model", "cast_parameters", "choose_union_paths", "count_parameters",
+    "from_hf_dict", "load_pretrained", "logits", "read_state_dict", "save_pretrained", "set_ffn_path", "set_tracking",
     "sparse_ffns", "swap_mlps",
 ]

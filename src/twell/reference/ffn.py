@@ -32,6 +32,11 @@ def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tens
         check_tensor(name, w, dtype=torch.bfloat16, shape=(gate.n_cols, x.shape[1]), device=x.device, contiguous=True)
 
 
+# The block-union rule (ratio, base) fitted on the H100 in session 19 (csrc/NOTES.md): per block of 64
+# rows, the union path pays when entries > ~600 + 2.3 |U|. Used by twell.model.choose_union_paths.
+UNION_RULE = (0.43, 600.0)
+
+
 def check_union_rule(union) -> Optional[tuple[float, float]]:
     """``None`` (the kernels' setting from TWELL_UNION_RATIO / TWELL_UNION_BASE) or ``(ratio, base)``:
     a block of 64 rows takes the kernels' block-union path when its union U of active neurons has
