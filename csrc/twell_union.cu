@@ -15,6 +15,8 @@
 //   down:  out_block = h @ w_down_t[U] (K = |U|, N = D in 512-column items); h is scattered into
 //          a dense 64 x 64 tile per K step, the w_down_t rows of U are gathered (MN-major operand).
 // Rounding as in the dense bf16 FFN: u and h are rounded to bf16, all sums in fp32.
+#include <algorithm>
+
 #include "common.cuh"
 #include "twell_kernels.h"
 #include "wgmma_loop.cuh"
@@ -132,12 +134,15 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
   // filling two pipelines) plus |U| / ratio entries. base = 0 is the plain ratio rule.
   const bool use = any && p.ratio > 0.f && float(entries) >= p.base &&
                    float(n_union) <= p.ratio * (float(entries) - p.base);
-  if (!use) {
-    // Every row of the block goes to the per-row kernel.
-    for (int rr = threadIdx.x; rr < UB; rr += blockDim.x) {
-      const int row = b * UB + rr;
-      if (row < p.M) p.w.light_rows[atomicAdd(&p.w.ctr[0], 1u)] = uint32_t(row);
-    }
+  if (!use) {  // uniform over the CTA: every thread computed the same entries and n_union
+    // Every row of the block goes to the per-row kernel: one claim per block. (One atomic per row,
+    // as before session 19, put M atomics on one counter; row order in the list does not matter,
+    // each row's sum is fixed.)
+    __shared__ uint32_t first;
+    const int n_rows = min(UB, p.M - b * UB);
+    if (threadIdx.x == 0) first = atomicAdd(&p.w.ctr[0], uint32_t(n_rows));
+    __syncthreads();
+    for (int rr = threadIdx.x; rr < n_rows; rr += blockDim.x) p.w.light_rows[first + rr] = uint32_t(b * UB + rr);
     return;
   }
   if (threadIdx.x == 0) {
@@ -213,19 +218,18 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int s
 // Offset of 16-byte chunk `ch` of 128-byte row `r` in a 128B-swizzled tile.
 __device__ __forceinline__ uint32_t swz(int r, int ch) { return uint32_t(r * 128 + ((ch ^ (r & 7)) << 4)); }
 
+// Persistent (session 19): CTA c takes union blocks c, c + gridDim.x, ... of the plan's list, with one
+// ring whose stages and phases run on across blocks. One CTA per union block, launched for every
+// block of M, cost ~0.08 ms of empty CTAs where few blocks took the path.
 __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
-  if (blockIdx.x >= *reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) return;
+  const int n_ub = int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1]));
+  if (int(blockIdx.x) >= n_ub) return;
   uint8_t* smem = aligned_smem<1024>();
   uint32_t* rowoff = reinterpret_cast<uint32_t*>(smem + UP_STAGES * UP_STAGE);  // [16][OFF_STRIDE]
   uint64_t* full = reinterpret_cast<uint64_t*>(rowoff + 16 * OFF_STRIDE);
   uint64_t* empty = full + UP_STAGES;
   init_ring(full, empty, UP_STAGES, 128);
 
-  const int b = int(p.w.ublocks[blockIdx.x]);
-  const int n_union = int(p.w.usize[b]);
-  const uint16_t* U = p.w.ulist + size_t(b) * ulist_slot(p.H);
-  const int r0 = b * UB;
-  const int passes = (n_union + 2 * NW - 1) / (2 * NW);
   const int steps = p.D / BK;
   const int wg = threadIdx.x / 128;
   int stage = 0;
@@ -241,44 +245,51 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
     const uint32_t offs = smem_u32(rowoff + rg * OFF_STRIDE);
     const uint32_t dst0 = uint32_t(rg * 128 + ((ch ^ (rg & 7)) << 4));
     uint32_t phase = 1;  // a fresh barrier counts as released once
-    for (int pass = 0; pass < passes; ++pass) {
-      const int rem = n_union - pass * 2 * NW;  // union rows left from this pass on
-      __syncwarp();  // the row group's 8 threads (one warp) finished reading the previous pass's offsets
+    for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
+      const int b = int(p.w.ublocks[ubi]);
+      const int n_union = int(p.w.usize[b]);
+      const uint16_t* U = p.w.ulist + size_t(b) * ulist_slot(p.H);
+      const int r0 = b * UB;
+      const int passes = (n_union + 2 * NW - 1) / (2 * NW);
+      for (int pass = 0; pass < passes; ++pass) {
+        const int rem = n_union - pass * 2 * NW;  // union rows left from this pass on
+        __syncwarp();  // the row group's 8 threads (one warp) finished reading the previous pass's offsets
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = ch + 8 * i, j = rg + 16 * m;
-        rowoff[rg * OFF_STRIDE + m] = j < rem ? uint32_t(__ldg(U + pass * 2 * NW + j)) * uint32_t(p.D) : 0u;
-      }
-      __syncwarp();
-      const int mlim = rem > rg ? (rem - rg + 15) / 16 : 0;  // rows rg + 16 m < rem
-      for (int kb = 0; kb < steps; ++kb) {
-        mbar_wait(&empty[stage], phase);
-        const uint32_t a = smem_u32(smem + stage * UP_STAGE);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const int r = rg + 16 * m;
-          const bool ok = r0 + r < p.M;
-          cp_async16(a + swz(r, ch), p.x + size_t(ok ? r0 + r : 0) * p.D + kb * BK + ch * 8, ok);
+        for (int i = 0; i < 4; ++i) {
+          const int m = ch + 8 * i, j = rg + 16 * m;
+          rowoff[rg * OFF_STRIDE + m] = j < rem ? uint32_t(__ldg(U + pass * 2 * NW + j)) * uint32_t(p.D) : 0u;
         }
-        const __nv_bfloat16* src = p.w_up + kb * BK + ch * 8;
-        const uint32_t b = a + A_BYTES + dst0;
+        __syncwarp();
+        const int mlim = rem > rg ? (rem - rg + 15) / 16 : 0;  // rows rg + 16 m < rem
+        for (int kb = 0; kb < steps; ++kb) {
+          mbar_wait(&empty[stage], phase);
+          const uint32_t a = smem_u32(smem + stage * UP_STAGE);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint4 o[4];
+          for (int m = 0; m < 4; ++m) {
+            const int r = rg + 16 * m;
+            const bool ok = r0 + r < p.M;
+            cp_async16(a + swz(r, ch), p.x + size_t(ok ? r0 + r : 0) * p.D + kb * BK + ch * 8, ok);
+          }
+          const __nv_bfloat16* src = p.w_up + kb * BK + ch * 8;
+          const uint32_t b = a + A_BYTES + dst0;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) o[i] = lds128(offs + 64 * h + 16 * i);
+          for (int h = 0; h < 2; ++h) {
+            uint4 o[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint32_t w[4] = {o[i].x, o[i].y, o[i].z, o[i].w};
+            for (int i = 0; i < 4; ++i) o[i] = lds128(offs + 64 * h + 16 * i);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int m = 16 * h + 4 * i + c;
-              cp_async16(b + 2048 * m, src + w[c], m < mlim);
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t w[4] = {o[i].x, o[i].y, o[i].z, o[i].w};
+#pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                const int m = 16 * h + 4 * i + c;
+                cp_async16(b + 2048 * m, src + w[c], m < mlim);
+              }
             }
           }
+          cp_async_arrive(&full[stage]);
+          if (++stage == UP_STAGES) { stage = 0; phase ^= 1; }
         }
-        cp_async_arrive(&full[stage]);
-        if (++stage == UP_STAGES) { stage = 0; phase ^= 1; }
       }
     }
     return;
@@ -289,37 +300,44 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   uint32_t phase = 0;
   float acc[128];
-  for (int pass = 0; pass < passes; ++pass) {
-    mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(acc, steps, smem, full, empty, stage, phase, g, lane,
-                                                               [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
-    // Epilogue straight from the accumulators: this thread holds rows R = 16 warp + lane / 4 + 8 hf,
-    // columns 8 i + 2 q + {0, 1} in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its two
-    // rows whose rank falls on its columns: gate -> h = bf16(gate * bf16(u)). Reading them with
-    // ld.global.nc is safe: an entry is rewritten once, by its owner, after this read.
-    const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW);
+  for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
+    const int b = int(p.w.ublocks[ubi]);
+    const int n_union = int(p.w.usize[b]);
+    const int r0 = b * UB;
+    const int passes = (n_union + 2 * NW - 1) / (2 * NW);
+    for (int pass = 0; pass < passes; ++pass) {
+      mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
+          acc, steps, smem, full, empty, stage, phase, g, lane,
+          [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
+      // Epilogue straight from the accumulators: this thread holds rows R = 16 warp + lane / 4 + 8 hf,
+      // columns 8 i + 2 q + {0, 1} in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its two
+      // rows whose rank falls on its columns: gate -> h = bf16(gate * bf16(u)). Reading them with
+      // ld.global.nc is safe: an entry is rewritten once, by its owner, after this read.
+      const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW);
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * warp + lane / 4 + 8 * hf;
-      uint32_t n = p.w.rowcnt[size_t(b) * UB + r];
-      n = n == NOT_HERE ? 0u : n;
-      uint32_t* ent = p.w.ent + size_t(r0 + r) * ROW_CAP;
-      for (uint32_t e0 = 0; e0 < n; e0 += 4) {
-        uint32_t v[4];
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * warp + lane / 4 + 8 * hf;
+        uint32_t n = p.w.rowcnt[size_t(b) * UB + r];
+        n = n == NOT_HERE ? 0u : n;
+        uint32_t* ent = p.w.ent + size_t(r0 + r) * ROW_CAP;
+        for (uint32_t e0 = 0; e0 < n; e0 += 4) {
+          uint32_t v[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = e0 + j < n ? __ldg(ent + e0 + j) : 0xFFFFu;  // rank 65535: no column
+          for (int j = 0; j < 4; ++j) v[j] = e0 + j < n ? __ldg(ent + e0 + j) : 0xFFFFu;  // rank 65535: no column
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t col = (v[j] & 0xFFFFu) - c0;
-          if (col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
-            const int ci = int(col >> 3), odd = int(col & 1);
-            float u = 0.f;
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t col = (v[j] & 0xFFFFu) - c0;
+            if (col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
+              const int ci = int(col >> 3), odd = int(col & 1);
+              float u = 0.f;
 #pragma unroll
-            for (int i = 0; i < 32; ++i) {
-              if (i == ci) u = odd ? acc[4 * i + 2 * hf + 1] : acc[4 * i + 2 * hf];
+              for (int i = 0; i < 32; ++i) {
+                if (i == ci) u = odd ? acc[4 * i + 2 * hf + 1] : acc[4 * i + 2 * hf];
+              }
+              const float ub = __bfloat162float(__float2bfloat16_rn(u));
+              const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[j]) * ub);
+              ent[e0 + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[j] & 0xFFFFu);
             }
-            const float ub = __bfloat162float(__float2bfloat16_rn(u));
-            const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[j]) * ub);
-            ent[e0 + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[j] & 0xFFFFu);
           }
         }
       }
@@ -327,10 +345,11 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   }
 }
 
+// Persistent like up_kernel: CTA c takes items (union block, 512-column chunk) c, c + gridDim.x, ...
 __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int n_items = p.D / DCHUNK;
-  const int ubi = blockIdx.x / n_items, qd = blockIdx.x % n_items;
-  if (ubi >= int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1]))) return;
+  const int n_work = int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) * n_items;
+  if (int(blockIdx.x) >= n_work) return;
   uint8_t* smem = aligned_smem<1024>();
   uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + DN_STAGES * DN_STAGE);  // [UB][ROW_CAP]
   uint16_t* ids = reinterpret_cast<uint16_t*>(ent_s + UB * ROW_CAP);           // [MAX_SLOT]
@@ -338,85 +357,90 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   uint64_t* empty = full + DN_STAGES;
   init_ring(full, empty, DN_STAGES, 128);  // 64 cp.async issuers + 64 row builders
 
-  const int b = int(p.w.ublocks[ubi]);
-  const int n_union = int(p.w.usize[b]);
-  const int r0 = b * UB;
-  const int steps = (n_union + DK - 1) / DK;
-  const int col0 = qd * DCHUNK;
   const int wg = threadIdx.x / 128;
   int stage = 0;
 
   if (wg == 0) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    // The block's union ids and entries into shared memory, all producer threads together
-    // (warp w takes rows w, w + 4, ...: 4 rows at a time, loads first; lanes take entries).
-    const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
-    for (int i = t; i < (n_union + 7) / 8; i += 128) reinterpret_cast<uint4*>(ids)[i] = __ldg(U4 + i);
-    for (int rb = warp; rb < UB; rb += 16) {
-      uint32_t n[4], w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        n[j] = p.w.rowcnt[size_t(b) * UB + rb + 4 * j];
-        n[j] = n[j] == NOT_HERE ? 0u : n[j];
-        w[j] = uint32_t(lane) < n[j] ? __ldg(p.w.ent + size_t(r0 + rb + 4 * j) * ROW_CAP + lane) : 0u;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = rb + 4 * j;
-        if (uint32_t(lane) < n[j]) ent_s[r * ROW_CAP + lane] = w[j];
-        for (uint32_t e = lane + 32; e < n[j]; e += 32) ent_s[r * ROW_CAP + e] = __ldg(p.w.ent + size_t(r0 + r) * ROW_CAP + e);
-      }
-    }
-    asm volatile("bar.sync 3, 128;" ::: "memory");  // producer warpgroup only
     uint32_t phase = 1;
-    if (t < UB) {
-      // Row builder: A row t of each stage = h of row t at the stage's DK union columns (zeros
-      // elsewhere; 128-byte swizzled rows of which the first DK columns are used).
-      uint32_t n = p.w.rowcnt[size_t(b) * UB + t];
-      n = n == NOT_HERE ? 0u : n;
-      uint32_t cur = 0;
-      for (int kb = 0; kb < steps; ++kb) {
-        mbar_wait(&empty[stage], phase);
-        uint8_t* base = smem + stage * DN_STAGE;
-        uint4* row = reinterpret_cast<uint4*>(base + t * 128);
+    for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
+      const int b = int(p.w.ublocks[it / n_items]);
+      const int n_union = int(p.w.usize[b]);
+      const int r0 = b * UB;
+      const int steps = (n_union + DK - 1) / DK;
+      const int col0 = (it % n_items) * DCHUNK;
+      // The block's union ids and entries into shared memory, all producer threads together
+      // (warp w takes rows w, w + 4, ...: 4 rows at a time, loads first; lanes take entries).
+      const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
+      for (int i = t; i < (n_union + 7) / 8; i += 128) reinterpret_cast<uint4*>(ids)[i] = __ldg(U4 + i);
+      for (int rb = warp; rb < UB; rb += 16) {
+        uint32_t n[4], w[4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) row[j] = make_uint4(0, 0, 0, 0);
-        // The row's entries are sorted by rank (plan): a cursor walks each of them once in all.
-        const uint32_t k0 = uint32_t(kb * DK);
-        for (; cur < n; ++cur) {
-          const uint32_t w = ent_s[t * ROW_CAP + cur], col = (w & 0xFFFFu) - k0;
-          if (col >= uint32_t(DK)) break;
-          *reinterpret_cast<uint16_t*>(base + swz(t, int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
+        for (int j = 0; j < 4; ++j) {
+          n[j] = p.w.rowcnt[size_t(b) * UB + rb + 4 * j];
+          n[j] = n[j] == NOT_HERE ? 0u : n[j];
+          w[j] = uint32_t(lane) < n[j] ? __ldg(p.w.ent + size_t(r0 + rb + 4 * j) * ROW_CAP + lane) : 0u;
         }
-        fence_async_smem();
-        mbar_arrive(&full[stage]);
-        if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
-      }
-    } else {
-      // Gatherer: 16-byte chunk cc = t - 64 (of the item's 512 columns) of the stage's DK union rows.
-      // MN-major 128B-swizzled operand: warpgroup half hw = cc / 32, atom (64 columns) at = cc % 32 / 8
-      // every DK * 128 bytes, K row kk at (kk / 8) * 1 KB + (kk % 8) * 128.
-      const int cc = t - UB, hw = cc / 32, at = (cc % 32) / 8, ch = cc % 8;
-      const __nv_bfloat16* src0 = p.w_down_t + col0 + cc * 8;
-      const uint32_t ids_s = smem_u32(ids);
-      for (int kb = 0; kb < steps; ++kb) {
-        mbar_wait(&empty[stage], phase);
-        const uint32_t bsm = smem_u32(smem + stage * DN_STAGE) + A_BYTES + hw * (DN_B_BYTES / 2) + at * (DK * 128);
-        // The stage's DK union ids in 4 shared loads (the same for every gatherer: broadcast), then
-        // the copies: no dependent load per copy. Ids past the union (unset memory) are not used.
-        uint4 v[DK / 8];
 #pragma unroll
-        for (int i = 0; i < DK / 8; ++i) v[i] = lds128(ids_s + (kb * DK + 8 * i) * 2);
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk) {
-          const uint32_t w[4] = {v[kk / 8].x, v[kk / 8].y, v[kk / 8].z, v[kk / 8].w};  // 2 ids per word
-          const bool ok = kb * DK + kk < n_union;
-          const uint32_t id = ok ? (w[kk % 8 / 2] >> (16 * (kk % 2))) & 0xFFFFu : 0u;
-          cp_async16(bsm + swz(kk, ch), src0 + size_t(id) * p.D, ok);
+        for (int j = 0; j < 4; ++j) {
+          const int r = rb + 4 * j;
+          if (uint32_t(lane) < n[j]) ent_s[r * ROW_CAP + lane] = w[j];
+          for (uint32_t e = lane + 32; e < n[j]; e += 32)
+            ent_s[r * ROW_CAP + e] = __ldg(p.w.ent + size_t(r0 + r) * ROW_CAP + e);
         }
-        cp_async_arrive(&full[stage]);
-        if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
       }
+      asm volatile("bar.sync 3, 128;" ::: "memory");  // producer warpgroup only
+      if (t < UB) {
+        // Row builder: A row t of each stage = h of row t at the stage's DK union columns (zeros
+        // elsewhere; 128-byte swizzled rows of which the first DK columns are used).
+        uint32_t n = p.w.rowcnt[size_t(b) * UB + t];
+        n = n == NOT_HERE ? 0u : n;
+        uint32_t cur = 0;
+        for (int kb = 0; kb < steps; ++kb) {
+          mbar_wait(&empty[stage], phase);
+          uint8_t* base = smem + stage * DN_STAGE;
+          uint4* row = reinterpret_cast<uint4*>(base + t * 128);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) row[j] = make_uint4(0, 0, 0, 0);
+          // The row's entries are sorted by rank (plan): a cursor walks each of them once in all.
+          const uint32_t k0 = uint32_t(kb * DK);
+          for (; cur < n; ++cur) {
+            const uint32_t w = ent_s[t * ROW_CAP + cur], col = (w & 0xFFFFu) - k0;
+            if (col >= uint32_t(DK)) break;
+            *reinterpret_cast<uint16_t*>(base + swz(t, int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
+          }
+          fence_async_smem();
+          mbar_arrive(&full[stage]);
+          if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
+        }
+      } else {
+        // Gatherer: 16-byte chunk cc = t - 64 (of the item's 512 columns) of the stage's DK union rows.
+        // MN-major 128B-swizzled operand: warpgroup half hw = cc / 32, atom (64 columns) at = cc % 32 / 8
+        // every DK * 128 bytes, K row kk at (kk / 8) * 1 KB + (kk % 8) * 128.
+        const int cc = t - UB, hw = cc / 32, at = (cc % 32) / 8, ch = cc % 8;
+        const __nv_bfloat16* src0 = p.w_down_t + col0 + cc * 8;
+        const uint32_t ids_s = smem_u32(ids);
+        for (int kb = 0; kb < steps; ++kb) {
+          mbar_wait(&empty[stage], phase);
+          const uint32_t bsm = smem_u32(smem + stage * DN_STAGE) + A_BYTES + hw * (DN_B_BYTES / 2) + at * (DK * 128);
+          // The stage's DK union ids in 4 shared loads (the same for every gatherer: broadcast), then
+          // the copies: no dependent load per copy. Ids past the union (unset memory) are not used.
+          uint4 v[DK / 8];
+#pragma unroll
+          for (int i = 0; i < DK / 8; ++i) v[i] = lds128(ids_s + (kb * DK + 8 * i) * 2);
+#pragma unroll
+          for (int kk = 0; kk < DK; ++kk) {
+            const uint32_t w[4] = {v[kk / 8].x, v[kk / 8].y, v[kk / 8].z, v[kk / 8].w};  // 2 ids per word
+            const bool ok = kb * DK + kk < n_union;
+            const uint32_t id = ok ? (w[kk % 8 / 2] >> (16 * (kk % 2))) & 0xFFFFu : 0u;
+            cp_async16(bsm + swz(kk, ch), src0 + size_t(id) * p.D, ok);
+          }
+          cp_async_arrive(&full[stage]);
+          if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
+        }
+      }
+      // The next item rewrites ids and ent_s: every producer thread is done reading them.
+      asm volatile("bar.sync 3, 128;" ::: "memory");
     }
     return;
   }
@@ -425,18 +449,26 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   uint32_t phase = 0;
   float acc[128];
-  // B descriptor: K step k (16 rows) starts 2 KB further; atoms along N DK * 128 bytes apart.
-  mma_loop<1, DK / 16, DN_STAGES, DN_STAGE, DN_B_BYTES / 2>(
-      acc, steps, smem, full, empty, stage, phase, g, lane,
-      [](uint32_t bb, int k) { return smem_desc(bb + 2048 * k, DK * 128, 1024); });
+  for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
+    const int b = int(p.w.ublocks[it / n_items]);
+    const int n_union = int(p.w.usize[b]);
+    const int r0 = b * UB;
+    const int steps = (n_union + DK - 1) / DK;
+    const int col0 = (it % n_items) * DCHUNK;
+    // B descriptor: K step k (16 rows) starts 2 KB further; atoms along N DK * 128 bytes apart.
+    mma_loop<1, DK / 16, DN_STAGES, DN_STAGE, DN_B_BYTES / 2>(
+        acc, steps, smem, full, empty, stage, phase, g, lane,
+        [](uint32_t bb, int k) { return smem_desc(bb + 2048 * k, DK * 128, 1024); });
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = 16 * warp + lane / 4 + 8 * hf;
-    if (r0 + r >= p.M || p.w.rowcnt[size_t(b) * UB + r] == NOT_HERE) continue;
-    __nv_bfloat16* o = p.out + size_t(r0 + r) * p.D + col0 + g * NW + 2 * q;
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + lane / 4 + 8 * hf;
+      if (r0 + r >= p.M || p.w.rowcnt[size_t(b) * UB + r] == NOT_HERE) continue;
+      __nv_bfloat16* o = p.out + size_t(r0 + r) * p.D + col0 + g * NW + 2 * q;
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
-      *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) = __floats2bfloat162_rn(acc[4 * i + 2 * hf], acc[4 * i + 2 * hf + 1]);
+      for (int i = 0; i < 32; ++i)
+        *reinterpret_cast<__nv_bfloat162*>(o + 8 * i) =
+            __floats2bfloat162_rn(acc[4 * i + 2 * hf], acc[4 * i + 2 * hf + 1]);
+    }
   }
 }
 
@@ -491,10 +523,15 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(uni::down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, uni::DOWN_SMEM);
   if (err != cudaSuccess) return err;
-  uni::up_kernel<<<nb, 384, uni::UP_SMEM, stream>>>(p);
+  // Persistent grids (one CTA per SM): the kernels read the number of union blocks on the device.
+  int dev = 0, sms = 0;
+  err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  uni::up_kernel<<<std::min(nb, sms), 384, uni::UP_SMEM, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  uni::down_kernel<<<nb * (D / uni::DCHUNK), 384, uni::DOWN_SMEM, stream>>>(p);
+  uni::down_kernel<<<std::min(nb * (D / uni::DCHUNK), sms), 384, uni::DOWN_SMEM, stream>>>(p);
   return cudaGetLastError();
 }
 

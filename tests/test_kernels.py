@@ -762,7 +762,10 @@ def test_torch_compile_and_cuda_graphs(monkeypatch):
     with torch.cuda.graph(graph):
         static_out = kernels.sparse_gated_ffn(static_x, wg, wu, wdt)
     x2 = x.clone()
-    x2[100:500, 1:] *= 50.0  # 400 more heavy rows: the dense path runs
+    # 400 more heavy rows: the dense path runs. Scaled 3x, not 50x: 400 nearly all-active rows would
+    # overfill the spill area (1.1M words against 1M, counted on the CPU), and then which tiles find
+    # space is a race, so the one op (compression 16) and two_ops (8) could round some rows differently.
+    x2[100:500, 1:] *= 3.0
     assert kernels.twell_gate(x2, wg).nnz_per_row().gt(128).sum() >= 384
     static_x.copy_(x2)
     graph.replay()
