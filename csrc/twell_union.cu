@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
       const int steps = (n_union + DK - 1) / DK;
       const int col0 = (it % n_items) * DCHUNK;
       // The block's union ids and entries into shared memory, all producer threads together
-      // (warp w takes rows w, w + 4, ...: 4 rows at a time, loads first; lanes take entries).
+      // (warp w takes rows w + 4 j + 16 k: 4 rows at a time, loads first; lanes take entries).
       const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
       for (int i = t; i < (n_union + 7) / 8; i += 128) reinterpret_cast<uint4*>(ids)[i] = __ldg(U4 + i);
       for (int rb = warp; rb < UB; rb += 16) {
