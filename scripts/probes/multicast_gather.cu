@@ -116,11 +116,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) gather(const uint8_t* __restric
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
-template <int C, int K, int ROWS>
-void run(const uint8_t* wu, const uint8_t* wd, const uint16_t* ids, int M, int nnz, uint32_t* sink, const char* label) {
-  auto kern = gather<C, K, ROWS>;
-  constexpr int STAGE = (ROWS == 1 ? 1 : 2) * ROW;
-  const int smem = WARPS * K * STAGE + WARPS * 2 * K * 8;
+// Launches kern 6 times with clusters of C CTAs, as many clusters as fit at once; returns the best of
+// the last 5 times (ms) and sets *n_clusters.
+template <class... KArgs, class... Args>
+float time_clusters(void (*kern)(KArgs...), int C, int smem, int* n_clusters, Args... args) {
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (C > 1) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t cfg = {};
@@ -139,12 +138,23 @@ void run(const uint8_t* wu, const uint8_t* wd, const uint16_t* ids, int M, int n
   float best = 1e30f;
   for (int r = 0; r < 6; ++r) {
     CK(cudaEventRecord(a));
-    CK(cudaLaunchKernelEx(&cfg, kern, wu, wd, ids, M, nnz, sink));
+    CK(cudaLaunchKernelEx(&cfg, kern, args...));
     CK(cudaEventRecord(b)); CK(cudaEventSynchronize(b));
     float ms; CK(cudaEventElapsedTime(&ms, a, b));
     if (r > 0 && ms < best) best = ms;
   }
   CK(cudaGetLastError());
+  *n_clusters = ncl;
+  return best;
+}
+
+template <int C, int K, int ROWS>
+void run(const uint8_t* wu, const uint8_t* wd, const uint16_t* ids, int M, int nnz, uint32_t* sink, const char* label) {
+  auto kern = gather<C, K, ROWS>;
+  constexpr int STAGE = (ROWS == 1 ? 1 : 2) * ROW;
+  const int smem = WARPS * K * STAGE + WARPS * 2 * K * 8;
+  int ncl = 0;
+  const float best = time_clusters(kern, C, smem, &ncl, wu, wd, ids, M, nnz, sink);
   // Every cluster delivers all its items to each of its C CTAs.
   const double l2 = double(M) * nnz * STAGE;
   printf("%s,C=%d,K=%d,item %d KB,clusters=%d,SMs=%d,%.3f ms,delivered %.2f TB/s,L2 %.2f TB/s\n", label, C, K, STAGE / 1024, ncl, ncl * C, best,
@@ -208,30 +218,8 @@ template <int C, int R>
 void run_big(const uint8_t* wu, const uint16_t* ids, long n_rows, uint32_t* sink) {
   auto kern = gather_big<C, R>;
   const int smem = 2 * R * ROW + 6 * 8;
-  CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (C > 1) CK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C; attr[0].val.clusterDim.y = 1; attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.attrs = attr; cfg.numAttrs = 1;
   int ncl = 0;
-  cfg.gridDim = dim3(1024 * C);
-  CK(cudaOccupancyMaxActiveClusters(&ncl, kern, &cfg));
-  cfg.gridDim = dim3(ncl * C);
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  float best = 1e30f;
-  for (int r = 0; r < 6; ++r) {
-    CK(cudaEventRecord(a));
-    CK(cudaLaunchKernelEx(&cfg, kern, wu, ids, n_rows, sink));
-    CK(cudaEventRecord(b)); CK(cudaEventSynchronize(b));
-    float ms; CK(cudaEventElapsedTime(&ms, a, b));
-    if (r > 0 && ms < best) best = ms;
-  }
-  CK(cudaGetLastError());
+  const float best = time_clusters(kern, C, smem, &ncl, wu, ids, n_rows, sink);
   const double l2 = double(n_rows / ncl / R) * R * ncl * ROW;
   printf("stages of %d rows,C=%d,K=2,item %d KB,%d,%d,%.3f ms,delivered %.2f TB/s,L2 %.2f TB/s\n", R, C, R * 4, ncl,
          ncl * C, best, l2 * C / (best * 1e9), l2 / (best * 1e9));
