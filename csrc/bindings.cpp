@@ -90,6 +90,10 @@ int stationary_mode() {
 // their true counts and the fused kernel recomputes them exactly).
 int64_t spill_capacity(int64_t M) { return std::max<int64_t>(int64_t(1) << 20, M * 64); }
 
+// The one op's (sparse_ffn's) internal spill block: the spill area, its words-used counter, then the
+// gate kernel's ready counters.
+int64_t sparse_ffn_spill_words(int64_t M) { return spill_capacity(M) + 1 + twell::gate_ready_words(int(M)); }
+
 // tile / compression slots per tile row (checked before anything divides by compression); the gate
 // kernel also needs a tile of 64, 128 or 256 columns and at least two slots (count + one entry).
 void check_tiling(int64_t tile, int64_t compression, const char* op, bool gate_kernel) {
@@ -190,8 +194,7 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
   TORCH_CHECK(D <= 2048, "twell.sparse_ffn: the fused kernel needs D <= 2048, got ", D);
   const int64_t S = tile / compression, cap = spill_capacity(M);
   at::Tensor tw = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));
-  // spill area, its words-used counter, then the gate kernel's ready counters
-  at::Tensor spill = at::empty({cap + 1 + twell::gate_ready_words(int(M))}, x.options().dtype(at::kUInt32));
+  at::Tensor spill = at::empty({sparse_ffn_spill_words(M)}, x.options().dtype(at::kUInt32));
   at::Tensor out = at::empty({M, D}, x.options());
   const twell::FfnPaths paths{stationary_mode(), union_ratio(), union_base(), int(dense_cap(M))};
   const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), true, true, paths));
@@ -218,7 +221,8 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   check_bf16_matrix(w_down_t, "w_down_t");
   check_tiling(tile, compression, "twell.ffn_plan", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
-  TORCH_CHECK(twell::union_supported(int(D), int(H), true), "twell.ffn_plan: the union path needs D % 512 == 0");
+  const std::string why = twell::union_unsupported(int(D), int(H), true);
+  TORCH_CHECK(why.empty(), "twell.ffn_plan: ", why);
   check_twell_words(tw, M, H, tile, S, "ffn_plan");
   const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
   at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
@@ -259,6 +263,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("union_base", &union_base, "block-union fixed-cost term in entries ($TWELL_UNION_BASE or the default)");
+  m.def("sparse_ffn_spill_words", &sparse_ffn_spill_words,
+        "words of sparse_ffn's internal spill block (spill area, its counter, the gate's ready counters)");
+  m.def("union_unsupported", [](int64_t D, int64_t H) { return twell::union_unsupported(int(D), int(H), true); },
+        "why the block-union path cannot serve a gated layer of this D and H, or '' when it can",
+        pybind11::arg("D"), pybind11::arg("H"));
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),
         pybind11::arg("spill"), pybind11::arg("w_up"), pybind11::arg("w_down_t"), pybind11::arg("tile"),
         pybind11::arg("compression"), pybind11::arg("ratio"), pybind11::arg("base"));

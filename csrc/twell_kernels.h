@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <string>
+
 namespace twell {
 
 // TwELL(relu(x @ w^T)): x bf16 [M, D], w bf16 [H, D] (row-major, contiguous, D % 64 == 0),
@@ -82,6 +84,8 @@ struct Workspace {
   uint16_t* ulist;       // per block: U (sorted neuron ids), H slots
   uint32_t* ent;         // per row: ROW_CAP entries (bf16 value << 16 | rank in U)
 };
+// Why the union path cannot serve a layer of this shape, or "" when it can.
+std::string union_unsupported(int D, int H, bool gated);
 bool union_supported(int D, int H, bool gated);
 size_t union_workspace_words(int M, int H);
 Workspace union_workspace(uint32_t* base, int M, int H);

@@ -474,9 +474,17 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
 
 }  // namespace uni
 
-bool union_supported(int D, int H, bool gated) {
-  return gated && D % uni::DCHUNK == 0 && uni::ulist_slot(H) <= uni::MAX_SLOT;
+std::string union_unsupported(int D, int H, bool gated) {
+  if (!gated) return "the union path serves gated layers only";
+  if (D % uni::DCHUNK != 0 || D > 2048)  // 2048: the fused kernel's own limit
+    return "the union path needs D a multiple of " + std::to_string(uni::DCHUNK) + " and at most 2048, got D = " +
+           std::to_string(D);
+  if (uni::ulist_slot(H) > uni::MAX_SLOT)  // the down kernel holds a block's union ids in shared memory
+    return "the union path needs H <= " + std::to_string(uni::MAX_SLOT) + ", got H = " + std::to_string(H);
+  return "";
 }
+
+bool union_supported(int D, int H, bool gated) { return union_unsupported(D, H, gated).empty(); }
 
 size_t union_workspace_words(int M, int H) {
   const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;

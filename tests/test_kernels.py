@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from twell import kernels, reference
 from twell.formats import pack_twell
-from twell.kernels.ops import SPARSE_FFN_COMPRESSION, spill_capacity
+from twell.kernels.ops import SPARSE_FFN_COMPRESSION
 
 pytestmark = pytest.mark.gpu
 
@@ -188,7 +188,7 @@ def poison_twell_blocks(M, H, tile=256, compression=SPARSE_FFN_COMPRESSION):
     gate kernel released it would find the right words anyway."""
     n_tiles = -(-H // tile)
     poison_allocator((M, n_tiles * (tile // compression)), torch.int32)
-    poison_allocator((spill_capacity(M) + 1 + 4 * -(-M // 128),), torch.int32)
+    poison_allocator((kernels.load().sparse_ffn_spill_words(M),), torch.int32)
 
 
 @pytest.mark.parametrize("M,D,H", SHAPES)
@@ -511,6 +511,28 @@ def test_choose_union_paths_per_layer():
     ref = (kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg1), wu1, wd1.t().contiguous(), union=UNION_RULE)
            + kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg2), wu2, wd2.t().contiguous(), union=(0, 0)))
     assert torch.equal(out, ref)
+
+
+def test_union_path_shape_limits():
+    """The union path's shape limits come from the extension, one message per limit: union_plan
+    refuses such a layer with it, choose_union_paths reports it and keeps the layer per-row, and the
+    fused op asked for the union path on it still computes the reference (per-row kernel)."""
+    from twell.model import choose_union_paths
+
+    assert kernels.union_unsupported(2048, 5632) == ""
+    assert "multiple of 512" in kernels.union_unsupported(640, 1024)
+    assert "at most 2048" in kernels.union_unsupported(2560, 1024)
+    assert kernels.union_unsupported(512, 8192) == "" and "H <= 8192" in kernels.union_unsupported(512, 8193)
+    for D, H, why in ((512, 8256, "H <= 8192"), (640, 1024, "multiple of 512")):
+        x, wg, wu, wd = inputs(256, D, H, nnz=8, seed=3)
+        gate = kernels.twell_gate(x, wg)
+        with pytest.raises(RuntimeError, match=why):
+            kernels.union_plan(x, gate, wu, wd.t().contiguous(), ratio=1e9, base=0)
+        check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous(), union=(1e9, 0)), x, wg, wu, wd)
+        f = module_with(wg, wu, wd)
+        f.path = "kernel"
+        report = choose_union_paths(f, x)
+        assert f.union == (0.0, 0.0) and why in report[0]["why"], report
 
 
 @pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_UNION_BASE", "-5"),

@@ -94,7 +94,8 @@ def main(M=65536, settings=((0.0, 0.0), (0.5, 0.0), (0.75, 0.0), (1.0, 0.0), (1e
               + ",".join(f"{t[f'fused@{s}'].median_ms:.3f}" for s in labels) + ","
               + ",".join(f"{t[f'ffn@{s}'].median_ms:.3f}" for s in labels) + ","
               + ",".join(f"{d:.2e}" for d in diffs), flush=True)
-        print(f"  kernels@{labels[-1]}: " + kernel_times(fns[f"fused@{labels[-1]}"]), flush=True)
+        for s in labels:
+            print(f"  kernels@{s}: " + kernel_times(fns[f"fused@{s}"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # A/B of compile-time variants of the kernels, each in its own tree copy and process (the ops of two
 # builds cannot share one): VALUES are substituted into `#define $MACRO 0` of $FILE, every copy is
 # built first (in parallel), then ab_quick.py runs once per value in order and once more for the first
-# value (drift check). Run from the repository root on the GPU machine:
+# value (drift check). ROUNDS=n > 1 runs n rounds of all values in turn instead (repeats, each value
+# timed between the others). Run from the repository root on the GPU machine:
 #   MACRO=TWELL_L2_MODE FILE=csrc/common.cuh VALUES="0 1 2" bash scripts/probes/variants_ab.sh
 set -u
 : "${MACRO:?}" "${FILE:?}" "${VALUES:?}"
@@ -19,6 +20,8 @@ for v in $VALUES; do
 done
 wait
 first=${VALUES%% *}
-for v in $VALUES $first; do
+ROUNDS=${ROUNDS:-1}
+if [ "$ROUNDS" -gt 1 ]; then ORDER=$(for _ in $(seq "$ROUNDS"); do echo -n "$VALUES "; done); else ORDER="$VALUES $first"; fi
+for v in $ORDER; do
     (cd "/tmp/variant_$v" && PYTHONPATH=src "$PY" scripts/probes/ab_quick.py "$MACRO=$v")
 done

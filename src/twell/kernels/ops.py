@@ -160,6 +160,12 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
 
 
 
+def union_unsupported(D: int, H: int) -> str:
+    """Why the block-union path cannot serve a gated layer with model width D and H hidden units, or
+    ``""`` when it can (the limits live in csrc/twell_union.cu; builds the extension)."""
+    return load().union_unsupported(int(D), int(H))
+
+
 def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Optional[float] = None,
                base: Optional[float] = None) -> dict:
     """Which rows the fused kernel would give to the block-union path (csrc/twell_union.cu).

@@ -22,8 +22,9 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     ``union = rule`` when at least ``min_share`` of its 64-token blocks would take the union path on the
     inputs it saw, else ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*).
 
-    Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, D not a
-    multiple of 512, D > 2048) get ``(0, 0)``. Returns one dict per layer: ``layer``, ``tokens``,
+    Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, biased, or a
+    shape outside ``kernels.union_unsupported``: D a multiple of 512 up to 2048, H up to 8192) get
+    ``(0, 0)``, with the reason in ``why``. Returns one dict per layer: ``layer``, ``tokens``,
     ``active_per_token``, ``blocks``, ``union_blocks``, ``share``, ``union`` and ``why``.
     Feed batches like the ones you will serve: the share depends on how consecutive tokens share
     neurons, so sequences should be in order.
@@ -77,13 +78,12 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
 
 
 def _unsupported(f, x: torch.Tensor) -> Optional[str]:
+    from twell import kernels
+
     if not f.gated or f.activation != "relu":
         return "the union path serves gated ReLU layers only"
-    if any(p is not None and p.bias is not None for p in (f.gate_proj, f.up_proj, f.down_proj)):
-        return "the sparse paths support bias-free projections only"
-    D = x.shape[1]
-    if D % 512 or D > 2048:
-        return f"the union path needs D a multiple of 512 and at most 2048, got {D}"
+    if f.has_bias():
+        return f.BIAS_ERROR
     if not x.is_cuda or f.gate_proj.weight.dtype != torch.bfloat16:
         return "the kernels need bf16 weights and inputs on the GPU"
-    return None
+    return kernels.union_unsupported(x.shape[1], f.gate_proj.weight.shape[0]) or None

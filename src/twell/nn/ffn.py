@@ -206,9 +206,15 @@ class SparseFFN(nn.Module):
             self._w_down_t_version = key
         return self._w_down_t
 
+    BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none)"
+
+    def has_bias(self) -> bool:
+        """Whether any projection carries a bias (the sparse paths take none: BIAS_ERROR)."""
+        return any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj))
+
     def _sparse(self, x: torch.Tensor, *, use_kernel: bool) -> torch.Tensor:
-        if any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj)):
-            raise ValueError("the sparse TwELL paths support bias-free projections only (Llama MLPs have none)")
+        if self.has_bias():
+            raise ValueError(self.BIAS_ERROR)
         if use_kernel:
             from twell import kernels as impl
 
