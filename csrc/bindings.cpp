@@ -265,7 +265,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("union_base", &union_base, "block-union fixed-cost term in entries ($TWELL_UNION_BASE or the default)");
   m.def("sparse_ffn_spill_words", &sparse_ffn_spill_words,
         "words of sparse_ffn's internal spill block (spill area, its counter, the gate's ready counters)");
-  m.def("union_unsupported", [](int64_t D, int64_t H) { return twell::union_unsupported(int(D), int(H), true); },
+  m.def("union_unsupported",
+        [](int64_t D, int64_t H) {  // clamped so that a huge value cannot wrap into a supported one
+          auto narrow = [](int64_t v) { return int(std::max<int64_t>(-1, std::min<int64_t>(v, 1 << 30))); };
+          return twell::union_unsupported(narrow(D), narrow(H), true);
+        },
         "why the block-union path cannot serve a gated layer of this D and H, or '' when it can",
         pybind11::arg("D"), pybind11::arg("H"));
   m.def("ffn_plan", &ffn_plan, "block-union plan only (diagnostic)", pybind11::arg("x"), pybind11::arg("tw"),

@@ -74,26 +74,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-// The same with an L2 eviction policy (an l2_evict_* value).
-__device__ __forceinline__ void bulk_copy_l2(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                             uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-
-// L2 policies. The fused kernel gathers weight rows from two tables (46 MB at the paper's shapes)
-// that compete for the 50 MB L2 with data read or written once (x, the output, the TwELL words):
-// the weights are marked evict_last, the single-use data evict_first or streaming (.cs). Measured
-// in session 20 (csrc/NOTES.md): +0.4% / +0.9% at nnz 8 / 29, no change at nnz 64 and on the heavy
-// tail, bit-identical outputs.
-__device__ __forceinline__ uint64_t l2_evict_last() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
 // Shared-memory matrix descriptor for wgmma with 128-byte swizzle (1024-byte aligned atoms of
 // 8 rows x 128 bytes). K-major tiles (rows of 64 bf16 along K): lbo unused, sbo = 1024 (8-row
 // groups). MN-major tiles: lbo = bytes between 64-element atoms along M/N, sbo = bytes between
@@ -138,15 +118,8 @@ struct TileEntries {
 // TwELL words and spill entries are read with ld.global.cg (L2 only), not the non-coherent path:
 // since v13 the fused kernel may run while the gate kernel still writes rows it has not yet released
 // (ready flags, twell_ffn.cu), and a line cached on the non-coherent path could be stale. Each word
-// is read once, so no reuse is lost, and it is marked evict_first (see l2_evict_last).
-__device__ __forceinline__ uint32_t ld_cg(const uint32_t* p) {
-  uint32_t v;
-  asm volatile(
-      "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-      "ld.global.cg.L2::cache_hint.u32 %0, [%1], pol;\n}"
-      : "=r"(v) : "l"(p));
-  return v;
-}
+// is read once, so no reuse is lost.
+__device__ __forceinline__ uint32_t ld_cg(const uint32_t* p) { return __ldcg(p); }
 
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
@@ -216,14 +189,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ uint4 ldg_nc(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
-// ldg_nc for data read once (streaming: .cs, evict first; see l2_evict_last).
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.cs.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }

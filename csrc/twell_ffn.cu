@@ -92,9 +92,8 @@ __device__ __forceinline__ void ring_issue(Ring& r, const Params& p, uint32_t en
   const uint32_t n = entry & 0xFFFFu;
   fence_async_smem();  // earlier generic reads of this stage
   mbar_expect_tx(&r.bar[s], gated ? 2 * bytes : bytes);
-  const uint64_t keep = l2_evict_last();
-  if (gated) bulk_copy_l2(r.buf + s * STAGE, p.w_up + size_t(n) * p.D, bytes, &r.bar[s], keep);
-  bulk_copy_l2(r.buf + s * STAGE + (gated ? bytes : 0), p.w_down_t + size_t(n) * p.D, bytes, &r.bar[s], keep);
+  if (gated) bulk_copy(r.buf + s * STAGE, p.w_up + size_t(n) * p.D, bytes, &r.bar[s]);
+  bulk_copy(r.buf + s * STAGE + (gated ? bytes : 0), p.w_down_t + size_t(n) * p.D, bytes, &r.bar[s]);
   ++r.issued;
 }
 
@@ -113,13 +112,12 @@ struct Row {
   uint4 v[CH];
 };
 
-// STREAM: the row is read once (x in the light kernel), so it should not displace weights in L2.
-template <int CH, bool STREAM = false>
+template <int CH>
 __device__ __forceinline__ void load_row_global(Row<CH>& r, const __nv_bfloat16* row, int lane, int D) {
 #pragma unroll
   for (int c = 0; c < CH; ++c) {
     const int col = 8 * (32 * c + lane);
-    r.v[c] = col < D ? (STREAM ? ldg_stream(row + col) : ldg_nc(row + col)) : make_uint4(0, 0, 0, 0);
+    r.v[c] = col < D ? ldg_nc(row + col) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -255,7 +253,7 @@ __device__ __forceinline__ void store_row(const float (&acc)[CH * 8], __nv_bfloa
         __nv_bfloat162 b = __floats2bfloat162_rn(acc[8 * c + 2 * j], acc[8 * c + 2 * j + 1]);
         u[j] = *reinterpret_cast<uint32_t*>(&b);
       }
-      __stcs(reinterpret_cast<uint4*>(o + col), v);  // written once: streaming, see l2_evict_last
+      *reinterpret_cast<uint4*>(o + col) = v;
     }
   }
 }
@@ -319,7 +317,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
       while (issued_cur < n_cur && ring.issued - ring.consumed < uint32_t(K)) ring_issue(ring, p, list[issued_cur++], GATED);
     // x in flight while the next row is decoded (raw loads first, converted after).
     Row<CH> xr{};
-    if (GATED && n_cur > 0) load_row_global<CH, true>(xr, p.x + size_t(row) * p.D, lane, p.D);
+    if (GATED && n_cur > 0) load_row_global(xr, p.x + size_t(row) * p.D, lane, p.D);
     int n_next = 0;
     const int row_next = take_light_row(next_list, &n_next, n_rows, p, lane);
     int issued_next = 0;

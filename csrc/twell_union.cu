@@ -476,11 +476,11 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
 
 std::string union_unsupported(int D, int H, bool gated) {
   if (!gated) return "the union path serves gated layers only";
-  if (D % uni::DCHUNK != 0 || D > 2048)  // 2048: the fused kernel's own limit
-    return "the union path needs D a multiple of " + std::to_string(uni::DCHUNK) + " and at most 2048, got D = " +
-           std::to_string(D);
-  if (uni::ulist_slot(H) > uni::MAX_SLOT)  // the down kernel holds a block's union ids in shared memory
-    return "the union path needs H <= " + std::to_string(uni::MAX_SLOT) + ", got H = " + std::to_string(H);
+  if (D <= 0 || D % uni::DCHUNK != 0 || D > 2048)  // 2048: the fused kernel's own limit
+    return "the union path needs D a positive multiple of " + std::to_string(uni::DCHUNK) +
+           " and at most 2048, got D = " + std::to_string(D);
+  if (H <= 0 || uni::ulist_slot(H) > uni::MAX_SLOT)  // the down kernel keeps a block's union ids in smem
+    return "the union path needs 0 < H <= " + std::to_string(uni::MAX_SLOT) + ", got H = " + std::to_string(H);
   return "";
 }
 

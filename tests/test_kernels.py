@@ -523,6 +523,8 @@ def test_union_path_shape_limits():
     assert "multiple of 512" in kernels.union_unsupported(640, 1024)
     assert "at most 2048" in kernels.union_unsupported(2560, 1024)
     assert kernels.union_unsupported(512, 8192) == "" and "H <= 8192" in kernels.union_unsupported(512, 8193)
+    assert "multiple of 512" in kernels.union_unsupported(0, 1024)
+    assert "H <= 8192" in kernels.union_unsupported(512, 2**32)  # not wrapped into a small int
     for D, H, why in ((512, 8256, "H <= 8192"), (640, 1024, "multiple of 512")):
         x, wg, wu, wd = inputs(256, D, H, nnz=8, seed=3)
         gate = kernels.twell_gate(x, wg)
