@@ -75,6 +75,16 @@ __device__ __forceinline__ void wg_sync(int g) {
   else asm volatile("bar.sync 2, 128;" ::: "memory");
 }
 
+// Union block ubi of the plan's list: its block index, |U| and first row (up and down kernels, both
+// warpgroup roles).
+struct UnionBlock {
+  int b, n_union, r0;
+};
+__device__ __forceinline__ UnionBlock union_block(const Params& p, int ubi) {
+  const int b = int(p.w.ublocks[ubi]);
+  return {b, int(p.w.usize[b]), b * UB};
+}
+
 // ---------------------------------------------------------------------------------------------
 // plan: one CTA (8 warps) per block of UB rows.
 __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
@@ -246,10 +256,8 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
     const uint32_t dst0 = uint32_t(rg * 128 + ((ch ^ (rg & 7)) << 4));
     uint32_t phase = 1;  // a fresh barrier counts as released once
     for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
-      const int b = int(p.w.ublocks[ubi]);
-      const int n_union = int(p.w.usize[b]);
+      const auto [b, n_union, r0] = union_block(p, ubi);
       const uint16_t* U = p.w.ulist + size_t(b) * ulist_slot(p.H);
-      const int r0 = b * UB;
       const int passes = (n_union + 2 * NW - 1) / (2 * NW);
       for (int pass = 0; pass < passes; ++pass) {
         const int rem = n_union - pass * 2 * NW;  // union rows left from this pass on
@@ -301,9 +309,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   uint32_t phase = 0;
   float acc[128];
   for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
-    const int b = int(p.w.ublocks[ubi]);
-    const int n_union = int(p.w.usize[b]);
-    const int r0 = b * UB;
+    const auto [b, n_union, r0] = union_block(p, ubi);
     const int passes = (n_union + 2 * NW - 1) / (2 * NW);
     for (int pass = 0; pass < passes; ++pass) {
       mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
@@ -364,11 +370,8 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     uint32_t phase = 1;
     for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
-      const int b = int(p.w.ublocks[it / n_items]);
-      const int n_union = int(p.w.usize[b]);
-      const int r0 = b * UB;
-      const int steps = (n_union + DK - 1) / DK;
-      const int col0 = (it % n_items) * DCHUNK;
+      const auto [b, n_union, r0] = union_block(p, it / n_items);
+      const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
       // The block's union ids and entries into shared memory, all producer threads together
       // (warp w takes rows w + 4 j + 16 k: 4 rows at a time, loads first; lanes take entries).
       const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
@@ -450,11 +453,8 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   uint32_t phase = 0;
   float acc[128];
   for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
-    const int b = int(p.w.ublocks[it / n_items]);
-    const int n_union = int(p.w.usize[b]);
-    const int r0 = b * UB;
-    const int steps = (n_union + DK - 1) / DK;
-    const int col0 = (it % n_items) * DCHUNK;
+    const auto [b, n_union, r0] = union_block(p, it / n_items);
+    const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
     // B descriptor: K step k (16 rows) starts 2 KB further; atoms along N DK * 128 bytes apart.
     mma_loop<1, DK / 16, DN_STAGES, DN_STAGE, DN_B_BYTES / 2>(
         acc, steps, smem, full, empty, stage, phase, g, lane,
