@@ -198,10 +198,14 @@ __device__ __forceinline__ uint4 ldg_nc(const void* p) {
 constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;
 
 // The dynamic shared memory, aligned to ALIGN bytes (1024 for 128-byte swizzled wgmma tiles).
+// The padding is added to the array itself, not to an integer made from its address: the compiler
+// then still knows that the pointer and everything derived from it are shared memory, and emits
+// ld/st.shared. (Rounding a uintptr_t loses that: every access became a generic LD.E / ST.E, whose
+// latency sat in the union down kernel's row builders, csrc/NOTES.md, session 21.)
 template <int ALIGN>
 __device__ __forceinline__ uint8_t* aligned_smem() {
   extern __shared__ uint8_t raw[];
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + (ALIGN - 1)) & ~uintptr_t(ALIGN - 1));
+  return raw + ((ALIGN - smem_u32(raw) % ALIGN) % ALIGN);
 }
 
 // 16-byte copy global -> shared (cp.async); zero-filled when !valid (src is not read then).
