@@ -447,7 +447,7 @@ inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& path
 // programmatic stream serialization: its CTAs start as the gate kernel's CTAs leave (the gate's last
 // partial wave leaves most SMs idle for a tile's time), and each warp waits for its row's counter.
 template <int CH, bool FULL>
-cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, float base, const StWorkspace* sw, int device,
+cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& paths, const StWorkspace* sw, int device,
                       cudaStream_t stream, int max_sms) {
   const bool after_gate = p.ready != nullptr;
   const bool gated = p.w_up != nullptr;
@@ -464,7 +464,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, float ratio, float b
                                  stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S,
-                            ratio, base, stream);
+                            paths.union_ratio, paths.union_base, stream);
   if (err != cudaSuccess) return err;
   const int rows_per_wave = sms * WARPS;
   const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
@@ -530,19 +530,18 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
   p.dense_cap = w_act != nullptr ? paths.dense_cap : 0;
   p.xh = p.dense_cap > 0 ? reinterpret_cast<__nv_bfloat16*>(workspace + ffn::dense_offset(M, D, H, gated, paths)) : nullptr;
-  const float ratio = paths.union_ratio, base = paths.union_base;
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, ratio, base, st, device, stream, max_sms);
-    case 2: return ffn::launch_ch<2, false>(p, u, ratio, base, st, device, stream, max_sms);
-    case 4: return ffn::launch_ch<4, false>(p, u, ratio, base, st, device, stream, max_sms);
-    case 8: return ffn::launch_ch<8, false>(p, u, ratio, base, st, device, stream, max_sms);
-    case -1: return ffn::launch_ch<1, true>(p, u, ratio, base, st, device, stream, max_sms);
-    case -2: return ffn::launch_ch<2, true>(p, u, ratio, base, st, device, stream, max_sms);
-    case -4: return ffn::launch_ch<4, true>(p, u, ratio, base, st, device, stream, max_sms);
-    default: return ffn::launch_ch<8, true>(p, u, ratio, base, st, device, stream, max_sms);
+    case 1: return ffn::launch_ch<1, false>(p, u, paths, st, device, stream, max_sms);
+    case 2: return ffn::launch_ch<2, false>(p, u, paths, st, device, stream, max_sms);
+    case 4: return ffn::launch_ch<4, false>(p, u, paths, st, device, stream, max_sms);
+    case 8: return ffn::launch_ch<8, false>(p, u, paths, st, device, stream, max_sms);
+    case -1: return ffn::launch_ch<1, true>(p, u, paths, st, device, stream, max_sms);
+    case -2: return ffn::launch_ch<2, true>(p, u, paths, st, device, stream, max_sms);
+    case -4: return ffn::launch_ch<4, true>(p, u, paths, st, device, stream, max_sms);
+    default: return ffn::launch_ch<8, true>(p, u, paths, st, device, stream, max_sms);
   }
 }
 }  // namespace ffn
