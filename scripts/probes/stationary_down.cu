@@ -13,8 +13,9 @@
 // to 4 entries, value bf16 << 16 | neuron) with 16-byte loads, and for each entry reads the neuron's
 // 32-byte weight row from shared memory. A 32-byte row spans two 16-byte bank groups; the halves of
 // rows 4k..4k+3 are swapped on odd k, so the first load of a random row lands on any of the 8 groups.
-// NOCONF: see the entry loop (timing only).
-// `order` (optional) lists the rows in processing order (rows of similar length in one warp).
+// NOCONF: see neuron() (timing only). Rows are taken in storage order: a caller that wants rows of
+// similar length in one warp stores the CSR that way (the first run of this probe also tried 512
+// threads and an index list of rows; both were slower and were removed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -49,10 +50,18 @@ __device__ __forceinline__ void fma8(float* acc, float h, uint4 w) {
 // FMAs (HFMA2: 2 MACs per instruction, no bf16 unpacking), then added to the fp32 accumulators.
 // 4 products in fp16 err ~2^-11 relative, under the bf16 rounding of the output (2^-9). A real
 // path would need per-row and per-tile power-of-2 scales against fp16's range; the probe has none.
-template <int THREADS, bool NOCONF, bool H2>
+// The entry's neuron. NOCONF (timing only, wrong values): its low 3 bits replaced by the lane's, so the
+// 8 lanes of each quarter-warp read 8 different bank groups: what conflict-free reads would give.
+template <bool NOCONF>
+__device__ __forceinline__ uint32_t neuron(uint32_t e) {
+  return NOCONF ? ((e & 0xFFF8u) | (threadIdx.x & 7u)) : (e & 0xFFFFu);
+}
+
+constexpr int THREADS = 1024;
+
+template <bool NOCONF, bool H2>
 __global__ void __launch_bounds__(THREADS, 1)
-sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ ent, const int32_t* __restrict__ order,
-             const __nv_bfloat16* __restrict__ w_down_t, __nv_bfloat16* __restrict__ out, int M, int D, int H) {
+sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ ent, const __nv_bfloat16* __restrict__ w_down_t, __nv_bfloat16* __restrict__ out, int M, int D, int H) {
   extern __shared__ __align__(16) uint8_t sm[];
   const uint32_t ws = static_cast<uint32_t>(__cvta_generic_to_shared(sm));
   const int c0 = blockIdx.x * 16;
@@ -74,8 +83,7 @@ sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ e
     *reinterpret_cast<uint4*>(sm + half_off(n, 1)) = b;
   }
   __syncthreads();
-  for (int pos = threadIdx.x; pos < M; pos += THREADS) {
-    const int row = order ? __ldg(order + pos) : pos;
+  for (int row = threadIdx.x; row < M; row += THREADS) {
     const uint32_t p0 = __ldg(rowptr + row), p1 = __ldg(rowptr + row + 1);
     float acc[16];
 #pragma unroll
@@ -92,7 +100,7 @@ sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ e
         for (int i = 0; i < 8; ++i) a2[i] = __float2half2_rn(0.f);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t n = NOCONF ? ((e[j] & 0xFFF8u) | (threadIdx.x & 7u)) : (e[j] & 0xFFFFu);
+          const uint32_t n = neuron<NOCONF>(e[j]);
           const __half2 h2 = __float2half2_rn(hi(e[j]));
           const uint4 w0 = lds128(ws + half_off(n, 0)), w1 = lds128(ws + half_off(n, 1));
           const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
@@ -109,9 +117,7 @@ sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ e
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        // NOCONF (timing only, wrong values): the neuron's low 3 bits replaced by the lane's, so the 8
-        // lanes of each quarter-warp read 8 different bank groups: what conflict-free reads would give.
-        const uint32_t n = NOCONF ? ((e[j] & 0xFFF8u) | (threadIdx.x & 7u)) : (e[j] & 0xFFFFu);
+        const uint32_t n = neuron<NOCONF>(e[j]);
         const float h = hi(e[j]);
         fma8(acc, h, lds128(ws + half_off(n, 0)));
         fma8(acc + 8, h, lds128(ws + half_off(n, 1)));
@@ -129,26 +135,20 @@ sdown_kernel(const uint32_t* __restrict__ rowptr, const uint32_t* __restrict__ e
 }  // namespace
 
 // out[M, D] = sum over each row's entries of value * w_down_t[neuron, :]. rowptr [M + 1] (multiples of
-// 4), ent [rowptr[M]] (padding entries have value 0), order [M] or an empty tensor.
-void sdown(torch::Tensor rowptr, torch::Tensor ent, torch::Tensor order, torch::Tensor w_down_t, torch::Tensor out,
-           int64_t threads, bool noconf, bool h2) {
+// 4), ent [rowptr[M]] (padding entries have value 0).
+void sdown(torch::Tensor rowptr, torch::Tensor ent, torch::Tensor w_down_t, torch::Tensor out, bool noconf, bool h2) {
   const int M = int(out.size(0)), D = int(out.size(1)), H = int(w_down_t.size(0));
   TORCH_CHECK(D % 16 == 0 && w_down_t.size(1) == D, "shapes");
   const int smem = H * 32;
-  const int32_t* ord = order.numel() ? order.data_ptr<int32_t>() : nullptr;
-  auto go = [&](auto kern, int th) {
+  auto go = [&](auto kern) {
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    kern<<<D / 16, th, smem>>>(reinterpret_cast<const uint32_t*>(rowptr.data_ptr<int32_t>()),
-                               reinterpret_cast<const uint32_t*>(ent.data_ptr<int32_t>()), ord,
-                               reinterpret_cast<const __nv_bfloat16*>(w_down_t.data_ptr<at::BFloat16>()),
-                               reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), M, D, H);
+    kern<<<D / 16, THREADS, smem>>>(reinterpret_cast<const uint32_t*>(rowptr.data_ptr<int32_t>()),
+                                    reinterpret_cast<const uint32_t*>(ent.data_ptr<int32_t>()),
+                                    reinterpret_cast<const __nv_bfloat16*>(w_down_t.data_ptr<at::BFloat16>()),
+                                    reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), M, D, H);
   };
-  if (h2) {
-    if (noconf) go(sdown_kernel<1024, true, true>, 1024);
-    else go(sdown_kernel<1024, false, true>, 1024);
-  } else if (noconf) go(sdown_kernel<1024, true, false>, 1024);
-  else if (threads == 1024) go(sdown_kernel<1024, false, false>, 1024);
-  else go(sdown_kernel<512, false, false>, 512);
+  if (h2) noconf ? go(sdown_kernel<true, true>) : go(sdown_kernel<false, true>);
+  else noconf ? go(sdown_kernel<true, false>) : go(sdown_kernel<false, false>);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

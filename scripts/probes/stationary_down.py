@@ -4,7 +4,7 @@ For each BENCHMARK.md case (M = 65536), the gate's nonzeros become a CSR (rows p
 value bf16 << 16 | neuron) and out = h @ w_down^T is computed three ways:
 - `gather`: the existing non-gated kernel on the gate's TwELL (kernels.twell_ffn), which is exactly a
   down pass that gathers one 4 KB w_down_t row per (token, active neuron) from L2;
-- `f32`: stationary_down.cu (1024 threads per CTA, fp32 FMAs), rows in their natural order;
+- `f32`: stationary_down.cu (fp32 FMAs), rows in their natural order;
 - `f32_sorted`: the same on a CSR whose rows are stored sorted by entry count within each 1024-row
   chunk (what a producer that buckets rows by length could emit), its 32-row groups rotated over
   the warps from chunk to chunk: the 32 rows of a warp have similar lengths, so fewer lanes idle
@@ -13,7 +13,8 @@ value bf16 << 16 | neuron) and out = h @ w_down^T is computed three ways:
 - `h2_noconf`, `f32_sorted_noconf`, `h2_sorted_noconf` (timing only, wrong values): those variants with each neuron's
   low 3 bits replaced by the lane's, so that shared-memory reads never conflict: what a producer
   that ordered entries to avoid bank conflicts could reach at best.
-First run (session 22) also had 512 threads and an index-gathered sorted order; both were slower.
+The first run (session 22) also had 512 threads and rows ordered through an index list; both were
+slower and were removed from the probe.
 All against F.linear(h, w_down) (cuBLAS, bf16) for the relative error; timed alternating, L2
 flushed, median of 30. The CSR build is not timed: this is the down pass alone.
 Usage (on the H100, from the repository root): PYTHONPATH=src python scripts/probes/stationary_down.py
@@ -37,7 +38,7 @@ ext = load("stationary_down_probe", [str(Path(__file__).with_name("stationary_do
 
 
 def csr(h: torch.Tensor):
-    """Row-padded CSR of h's positive entries: rowptr [M + 1] int32, ent int32, counts [M]."""
+    """Row-padded CSR of h's positive entries: rowptr [M + 1] int32, ent int32, entries per row [M]."""
     pos = h > 0
     cnt = pos.sum(1)
     padded = (cnt + 3) // 4 * 4
@@ -67,39 +68,35 @@ for nnz, tail, inp, wdt in benchmark_inputs():
     M, D = x.shape
     h = torch.relu(F.linear(x, wg))
     ref = F.linear(h, inp.w_down)
-    cnt = (h > 0).sum(1)
+    *csr_nat, cnt = csr(h)
     perm = torch.empty(M, dtype=torch.int64, device=x.device)
     for i, c in enumerate(range(0, M, T)):
         # each chunk of T rows in descending count order, its 32-row groups rotated over the warps by
         # chunk (thread t takes position t of every chunk, so without the rotation warp 0 would get
-        # the longest rows of every chunk: first run of this probe)
+        # the longest rows of every chunk: the first runs of this probe)
         s_ = torch.argsort(cnt[c:c + T], descending=True) + c
         if s_.numel() == T:
             s_ = torch.roll(s_.view(T // 32, 32), shifts=i, dims=0).reshape(-1)
         perm[c:c + s_.numel()] = s_
-    csr_nat = csr(h)[:2]
     csr_srt = csr(h[perm])[:2]
-    none = torch.empty(0, dtype=torch.int32, device=x.device)
-    outs = {k: torch.full((M, D), float("nan"), dtype=torch.bfloat16, device=x.device)
-            for k in ("f32", "f32_sorted", "h2", "h2_sorted", "h2_noconf", "f32_sorted_noconf",
-                                  "h2_sorted_noconf")}
+    variants = {  # name: (CSR, noconf, h2)
+        "f32": (csr_nat, False, False), "f32_sorted": (csr_srt, False, False),
+        "h2": (csr_nat, False, True), "h2_sorted": (csr_srt, False, True),
+        "h2_noconf": (csr_nat, True, True), "f32_sorted_noconf": (csr_srt, True, False),
+        "h2_sorted_noconf": (csr_srt, True, True)}
+    outs = {k: torch.full((M, D), float("nan"), dtype=torch.bfloat16, device=x.device) for k in variants}
     g = kernels.twell_gate(x, wg, compression=C)
     og = kernels.twell_ffn(g, wdt)
 
-    def sd(key, c, noconf=False, h2=False):
-        return lambda: ext.sdown(c[0], c[1], none, wdt, outs[key], 1024, noconf, h2)
+    def sd(key, c, noconf, h2):
+        return lambda: ext.sdown(c[0], c[1], wdt, outs[key], noconf, h2)
 
-    fns = {"gather": lambda: kernels.twell_ffn(g, wdt),
-           "f32": sd("f32", csr_nat), "f32_sorted": sd("f32_sorted", csr_srt),
-           "h2": sd("h2", csr_nat, h2=True), "h2_sorted": sd("h2_sorted", csr_srt, h2=True),
-           "h2_noconf": sd("h2_noconf", csr_nat, noconf=True, h2=True),
-           "f32_sorted_noconf": sd("f32_sorted_noconf", csr_srt, noconf=True),
-           "h2_sorted_noconf": sd("h2_sorted_noconf", csr_srt, noconf=True, h2=True)}
+    fns = {"gather": lambda: kernels.twell_ffn(g, wdt), **{k: sd(k, *v) for k, v in variants.items()}}
     t = time_alternating(fns, "cuda", reps=30)
     ref_p = ref[perm]
     ms = ",".join(f"{t[k].median_ms:.4f}" for k in fns)
     print(f"nnz{nnz}/{tail},{cnt.float().mean():.2f},{int(cnt.max())},{ms},{rel(og, ref):.2e},"
           f"{rel(outs['f32'], ref):.2e},{rel(outs['f32_sorted'], ref_p):.2e},{rel(outs['h2'], ref):.2e},"
           f"{rel(outs['h2_sorted'], ref_p):.2e}", flush=True)
-    del h, ref, ref_p, g, og, outs, csr_nat, csr_srt
+    del h, ref, ref_p, g, og, outs, variants, csr_nat, csr_srt
     torch.cuda.empty_cache()
