@@ -16,6 +16,7 @@
 //          a dense 64 x 64 tile per K step, the w_down_t rows of U are gathered (MN-major operand).
 // Rounding as in the dense bf16 FFN: u and h are rounded to bf16, all sums in fp32.
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 #include "twell_kernels.h"
@@ -37,14 +38,15 @@ constexpr int DN_B_BYTES = DK * 2 * NW * 2; // 32 KB: 32 rows x 512 columns
 constexpr int DN_STAGE = A_BYTES + DN_B_BYTES;  // A keeps the 128-byte row layout, half used
 constexpr int DN_STAGES = 4;
 constexpr int DCHUNK = 2 * NW;              // output columns per down item
-constexpr int MAX_SLOT = 8192;              // union ids held in shared memory by the down kernel
+constexpr int MAX_SLOT = 8192;              // union row offsets held in shared memory by the down kernel
 
 // Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
 __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
 
 constexpr int OFF_STRIDE = 36;              // up producer: words per row group of B row offsets
 constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 16 * OFF_STRIDE * 4 + 1024 + 64;
-constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 2 + 1024 + 64;
+constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 4 + (MAX_SLOT / DK + 4 + UB) * 4 + 1024 + 64;
+static_assert(UP_SMEM <= 227 * 1024 && DOWN_SMEM <= 227 * 1024, "an H100 CTA has at most 227 KB of shared memory");
 
 struct Params {
   const __nv_bfloat16* x;
@@ -355,15 +357,20 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   }
 }
 
-// Persistent like up_kernel: CTA c takes items (union block, 512-column chunk) c, c + gridDim.x, ...
+// Persistent like up_kernel. An item is (union block, 512-column chunk); CTA c takes the contiguous
+// run of items [it0, it1), so its consecutive items mostly share a block, whose staging in shared
+// memory is then done once (session 23; striding over items, as before, staged every item again).
 __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int n_items = p.D / DCHUNK;
-  const int n_work = int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) * n_items;
-  if (int(blockIdx.x) >= n_work) return;
+  const long long n_work = (long long)(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) * n_items;
+  const int it0 = int(n_work * blockIdx.x / gridDim.x), it1 = int(n_work * (blockIdx.x + 1) / gridDim.x);
+  if (it0 >= it1) return;
   uint8_t* smem = aligned_smem<1024>();
-  uint32_t* ent_s = reinterpret_cast<uint32_t*>(smem + DN_STAGES * DN_STAGE);  // [UB][ROW_CAP]
-  uint16_t* ids = reinterpret_cast<uint16_t*>(ent_s + UB * ROW_CAP);           // [MAX_SLOT]
-  uint64_t* full = reinterpret_cast<uint64_t*>(ids + MAX_SLOT);
+  uint32_t* sorted = reinterpret_cast<uint32_t*>(smem + DN_STAGES * DN_STAGE);  // [UB * ROW_CAP]
+  uint32_t* offs = sorted + UB * ROW_CAP;                                        // [MAX_SLOT]
+  uint32_t* bucket = offs + MAX_SLOT;                                            // [MAX_SLOT / DK + 4]
+  uint32_t* nrow = bucket + MAX_SLOT / DK + 4;                                   // [UB]
+  uint64_t* full = reinterpret_cast<uint64_t*>(nrow + UB);
   uint64_t* empty = full + DN_STAGES;
   init_ring(full, empty, DN_STAGES, 128);  // 64 cp.async issuers + 64 row builders
 
@@ -373,48 +380,94 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   if (wg == 0) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     uint32_t phase = 1;
-    for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
+    int staged = -1;  // union block whose offsets and entries are in shared memory
+    for (int it = it0; it < it1; ++it) {
       const auto [b, n_union, r0] = union_block(p, it / n_items);
       const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
-      // The block's union ids and entries into shared memory, all producer threads together
-      // (warp w takes rows w + 4 j + 16 k: 4 rows at a time, loads first; lanes take entries).
-      const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
-      for (int i = t; i < (n_union + 7) / 8; i += 128) reinterpret_cast<uint4*>(ids)[i] = __ldg(U4 + i);
-      for (int rb = warp; rb < UB; rb += 16) {
-        uint32_t n[4], w[4];
+      if (b != staged) {  // the same for every producer thread
+        staged = b;
+        // Staged once per block by all producer threads (session 23; before, the gatherers unpacked a
+        // 16-bit id and did 64-bit address arithmetic per copy, and each builder walked its own row's
+        // entries with a cursor, one dependent, bank-conflicted shared load per entry):
+        // - offs: the byte offset of each union row in w_down_t, 0 past the union;
+        // - sorted: the block's entries bucketed by stage (rank / DK), each packed as
+        //   h << 16 | row << 5 | rank % DK; bucket[k] ends stage k's bucket, which starts at
+        //   bucket[k - 1] (0 for k = 0). Counting sort with shared atomics: the order inside a bucket
+        //   does not matter, each (row, rank) is written once.
+        const uint4* U4 = reinterpret_cast<const uint4*>(p.w.ulist + size_t(b) * ulist_slot(p.H));
+        for (int i = t; i < (n_union + 7) / 8; i += 128) {
+          const uint4 v = __ldg(U4 + i);
+          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          uint32_t o[8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          n[j] = p.w.rowcnt[size_t(b) * UB + rb + 4 * j];
-          n[j] = n[j] == NOT_HERE ? 0u : n[j];
-          w[j] = uint32_t(lane) < n[j] ? __ldg(p.w.ent + size_t(r0 + rb + 4 * j) * ROW_CAP + lane) : 0u;
+          for (int j = 0; j < 8; ++j)
+            o[j] = 8 * i + j < n_union ? ((w[j / 2] >> (16 * (j % 2))) & 0xFFFFu) * uint32_t(p.D) * 2u : 0u;
+          reinterpret_cast<uint4*>(offs)[2 * i] = make_uint4(o[0], o[1], o[2], o[3]);
+          reinterpret_cast<uint4*>(offs)[2 * i + 1] = make_uint4(o[4], o[5], o[6], o[7]);
         }
+        for (int i = t; i < steps; i += 128) bucket[i] = 0;
+        if (t < UB) {
+          const uint32_t n = p.w.rowcnt[size_t(b) * UB + t];
+          nrow[t] = n == NOT_HERE ? 0u : n;
+        }
+        asm volatile("bar.sync 3, 128;" ::: "memory");
+        // Warp w takes rows w + 4 j (j < 16); lane l holds entry l of each in w[j] (all loads issued
+        // before any is used), later entries of long rows are read again where needed. Pass 1
+        // counts, pass 2 places.
+        constexpr int RPW = UB / 4;  // rows per warp
+        uint32_t w[RPW];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = rb + 4 * j;
-          if (uint32_t(lane) < n[j]) ent_s[r * ROW_CAP + lane] = w[j];
-          for (uint32_t e = lane + 32; e < n[j]; e += 32)
-            ent_s[r * ROW_CAP + e] = __ldg(p.w.ent + size_t(r0 + r) * ROW_CAP + e);
+        for (int j = 0; j < RPW; ++j)
+          w[j] = uint32_t(lane) < nrow[warp + 4 * j] ? __ldg(p.w.ent + size_t(r0 + warp + 4 * j) * ROW_CAP + lane) : 0u;
+        auto each_entry = [&](auto f) {
+#pragma unroll
+          for (int j = 0; j < RPW; ++j) {
+            const int r = warp + 4 * j;
+            const uint32_t n = nrow[r];
+            if (uint32_t(lane) < n) f(r, w[j]);
+            for (uint32_t e = lane + 32; e < n; e += 32) f(r, __ldg(p.w.ent + size_t(r0 + r) * ROW_CAP + e));
+          }
+        };
+        each_entry([&](int, uint32_t v) { atomicAdd(&bucket[(v & 0xFFFFu) / DK], 1u); });
+        asm volatile("bar.sync 3, 128;" ::: "memory");
+        if (warp == 0) {  // exclusive scan of the counts (steps <= MAX_SLOT / DK = 8 per lane)
+          constexpr int PER = MAX_SLOT / DK / 32;
+          uint32_t c[PER], sum = 0;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) {
+            c[j] = lane * PER + j < steps ? bucket[lane * PER + j] : 0u;
+            sum += c[j];
+          }
+          uint32_t run = warp_incl_scan(sum, lane) - sum;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) {
+            if (lane * PER + j < steps) bucket[lane * PER + j] = run;
+            run += c[j];
+          }
         }
+        asm volatile("bar.sync 3, 128;" ::: "memory");
+        each_entry([&](int r, uint32_t v) {
+          const uint32_t rank = v & 0xFFFFu;
+          sorted[atomicAdd(&bucket[rank / DK], 1u)] = (v & 0xFFFF0000u) | uint32_t(r) << 5 | rank % DK;
+        });
+        asm volatile("bar.sync 3, 128;" ::: "memory");  // producer warpgroup only
       }
-      asm volatile("bar.sync 3, 128;" ::: "memory");  // producer warpgroup only
       if (t < UB) {
-        // Row builder: A row t of each stage = h of row t at the stage's DK union columns (zeros
-        // elsewhere; 128-byte swizzled rows of which the first DK columns are used).
-        uint32_t n = p.w.rowcnt[size_t(b) * UB + t];
-        n = n == NOT_HERE ? 0u : n;
-        uint32_t cur = 0;
+        // Row builders: A of each stage = h at the stage's DK union columns, zeros elsewhere
+        // (128-byte swizzled rows of which the first DK columns are used). Thread t zeroes row t,
+        // then the 64 place the stage's bucket.
+        const uint32_t* bkt = bucket;
         for (int kb = 0; kb < steps; ++kb) {
           mbar_wait(&empty[stage], phase);
           uint8_t* base = smem + stage * DN_STAGE;
           uint4* row = reinterpret_cast<uint4*>(base + t * 128);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) row[j] = make_uint4(0, 0, 0, 0);
-          // The row's entries are sorted by rank (plan): a cursor walks each of them once in all.
-          const uint32_t k0 = uint32_t(kb * DK);
-          for (; cur < n; ++cur) {
-            const uint32_t w = ent_s[t * ROW_CAP + cur], col = (w & 0xFFFFu) - k0;
-            if (col >= uint32_t(DK)) break;
-            *reinterpret_cast<uint16_t*>(base + swz(t, int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
+          for (int c = 0; c < DK / 8; ++c) row[c ^ (t & 7)] = make_uint4(0, 0, 0, 0);  // the chunks MMAs read
+          asm volatile("bar.sync 4, 64;" ::: "memory");  // the builders: zeros before any entry
+          const uint32_t e1 = bkt[kb];
+          for (uint32_t e = (kb ? bkt[kb - 1] : 0u) + t; e < e1; e += UB) {
+            const uint32_t w = sorted[e], r = (w >> 5) & (UB - 1), col = w & (DK - 1);
+            *reinterpret_cast<uint16_t*>(base + swz(int(r), int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
           }
           fence_async_smem();
           mbar_arrive(&full[stage]);
@@ -425,29 +478,32 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
         // MN-major 128B-swizzled operand: warpgroup half hw = cc / 32, atom (64 columns) at = cc % 32 / 8
         // every DK * 128 bytes, K row kk at (kk / 8) * 1 KB + (kk % 8) * 128.
         const int cc = t - UB, hw = cc / 32, at = (cc % 32) / 8, ch = cc % 8;
-        const __nv_bfloat16* src0 = p.w_down_t + col0 + cc * 8;
-        const uint32_t ids_s = smem_u32(ids);
+        const char* src0 = reinterpret_cast<const char*>(p.w_down_t + col0 + cc * 8);
+        const uint32_t offs_s = smem_u32(offs);
         for (int kb = 0; kb < steps; ++kb) {
           mbar_wait(&empty[stage], phase);
           const uint32_t bsm = smem_u32(smem + stage * DN_STAGE) + A_BYTES + hw * (DN_B_BYTES / 2) + at * (DK * 128);
-          // The stage's DK union ids in 4 shared loads (the same for every gatherer: broadcast), then
-          // the copies: no dependent load per copy. Ids past the union (unset memory) are not used.
-          uint4 v[DK / 8];
+          // The stage's DK row offsets in 8 shared loads (the same for every gatherer: broadcast),
+          // then one add and one copy per row. Rows past the union are zero-filled.
+          const int rem = n_union - kb * DK;
+          uint4 v[DK / 4];
 #pragma unroll
-          for (int i = 0; i < DK / 8; ++i) v[i] = lds128(ids_s + (kb * DK + 8 * i) * 2);
+          for (int i = 0; i < DK / 4; ++i) v[i] = lds128(offs_s + (kb * DK + 4 * i) * 4);
+          auto copy = [&](auto full_stage) {
 #pragma unroll
-          for (int kk = 0; kk < DK; ++kk) {
-            const uint32_t w[4] = {v[kk / 8].x, v[kk / 8].y, v[kk / 8].z, v[kk / 8].w};  // 2 ids per word
-            const bool ok = kb * DK + kk < n_union;
-            const uint32_t id = ok ? (w[kk % 8 / 2] >> (16 * (kk % 2))) & 0xFFFFu : 0u;
-            cp_async16(bsm + swz(kk, ch), src0 + size_t(id) * p.D, ok);
-          }
+            for (int kk = 0; kk < DK; ++kk) {
+              const uint32_t w[4] = {v[kk / 4].x, v[kk / 4].y, v[kk / 4].z, v[kk / 4].w};
+              cp_async16(bsm + swz(kk, ch), src0 + w[kk % 4], full_stage.value || kk < rem);
+            }
+          };
+          if (rem >= DK) copy(std::true_type{});  // every stage but the last: no predicates
+          else copy(std::false_type{});
           cp_async_arrive(&full[stage]);
           if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
         }
       }
-      // The next item rewrites ids and ent_s: every producer thread is done reading them.
-      asm volatile("bar.sync 3, 128;" ::: "memory");
+      // The next block's staging rewrites offs, sorted and bucket: every producer thread is done reading them.
+      if (it + 1 < it1 && (it + 1) / n_items != it / n_items) asm volatile("bar.sync 3, 128;" ::: "memory");
     }
     return;
   }
@@ -456,7 +512,7 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   uint32_t phase = 0;
   float acc[128];
-  for (int it = blockIdx.x; it < n_work; it += gridDim.x) {
+  for (int it = it0; it < it1; ++it) {
     const auto [b, n_union, r0] = union_block(p, it / n_items);
     const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
     // B descriptor: K step k (16 rows) starts 2 KB further; atoms along N DK * 128 bytes apart.
@@ -483,7 +539,7 @@ std::string union_unsupported(int D, int H, bool gated) {
   if (D <= 0 || D % uni::DCHUNK != 0 || D > 2048)  // 2048: the fused kernel's own limit
     return "the union path needs D a positive multiple of " + std::to_string(uni::DCHUNK) +
            " and at most 2048, got D = " + std::to_string(D);
-  if (H <= 0 || uni::ulist_slot(H) > uni::MAX_SLOT)  // the down kernel keeps a block's union ids in smem
+  if (H <= 0 || uni::ulist_slot(H) > uni::MAX_SLOT)  // the down kernel keeps a block's union row offsets in smem
     return "the union path needs 0 < H <= " + std::to_string(uni::MAX_SLOT) + ", got H = " + std::to_string(H);
   return "";
 }
