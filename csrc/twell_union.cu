@@ -16,7 +16,6 @@
 //          a dense 64 x 64 tile per K step, the w_down_t rows of U are gathered (MN-major operand).
 // Rounding as in the dense bf16 FFN: u and h are rounded to bf16, all sums in fp32.
 #include <algorithm>
-#include <type_traits>
 
 #include "common.cuh"
 #include "twell_kernels.h"
@@ -380,12 +379,10 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   if (wg == 0) {
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
     uint32_t phase = 1;
-    int staged = -1;  // union block whose offsets and entries are in shared memory
     for (int it = it0; it < it1; ++it) {
       const auto [b, n_union, r0] = union_block(p, it / n_items);
       const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
-      if (b != staged) {  // the same for every producer thread
-        staged = b;
+      if (it == it0 || it % n_items == 0) {  // a block's first item in this CTA's run
         // Staged once per block by all producer threads (session 23; before, the gatherers unpacked a
         // 16-bit id and did 64-bit address arithmetic per copy, and each builder walked its own row's
         // entries with a cursor, one dependent, bank-conflicted shared load per entry):
@@ -456,7 +453,6 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
         // Row builders: A of each stage = h at the stage's DK union columns, zeros elsewhere
         // (128-byte swizzled rows of which the first DK columns are used). Thread t zeroes row t,
         // then the 64 place the stage's bucket.
-        const uint32_t* bkt = bucket;
         for (int kb = 0; kb < steps; ++kb) {
           mbar_wait(&empty[stage], phase);
           uint8_t* base = smem + stage * DN_STAGE;
@@ -464,8 +460,8 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
 #pragma unroll
           for (int c = 0; c < DK / 8; ++c) row[c ^ (t & 7)] = make_uint4(0, 0, 0, 0);  // the chunks MMAs read
           asm volatile("bar.sync 4, 64;" ::: "memory");  // the builders: zeros before any entry
-          const uint32_t e1 = bkt[kb];
-          for (uint32_t e = (kb ? bkt[kb - 1] : 0u) + t; e < e1; e += UB) {
+          const uint32_t e1 = bucket[kb];
+          for (uint32_t e = (kb ? bucket[kb - 1] : 0u) + t; e < e1; e += UB) {
             const uint32_t w = sorted[e], r = (w >> 5) & (UB - 1), col = w & (DK - 1);
             *reinterpret_cast<uint16_t*>(base + swz(int(r), int(col >> 3)) + (col & 7) * 2) = uint16_t(w >> 16);
           }
@@ -489,21 +485,17 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
           uint4 v[DK / 4];
 #pragma unroll
           for (int i = 0; i < DK / 4; ++i) v[i] = lds128(offs_s + (kb * DK + 4 * i) * 4);
-          auto copy = [&](auto full_stage) {
 #pragma unroll
-            for (int kk = 0; kk < DK; ++kk) {
-              const uint32_t w[4] = {v[kk / 4].x, v[kk / 4].y, v[kk / 4].z, v[kk / 4].w};
-              cp_async16(bsm + swz(kk, ch), src0 + w[kk % 4], full_stage.value || kk < rem);
-            }
-          };
-          if (rem >= DK) copy(std::true_type{});  // every stage but the last: no predicates
-          else copy(std::false_type{});
+          for (int kk = 0; kk < DK; ++kk) {
+            const uint32_t w[4] = {v[kk / 4].x, v[kk / 4].y, v[kk / 4].z, v[kk / 4].w};
+            cp_async16(bsm + swz(kk, ch), src0 + w[kk % 4], kk < rem);
+          }
           cp_async_arrive(&full[stage]);
           if (++stage == DN_STAGES) { stage = 0; phase ^= 1; }
         }
       }
       // The next block's staging rewrites offs, sorted and bucket: every producer thread is done reading them.
-      if (it + 1 < it1 && (it + 1) / n_items != it / n_items) asm volatile("bar.sync 3, 128;" ::: "memory");
+      if (it + 1 < it1 && (it + 1) % n_items == 0) asm volatile("bar.sync 3, 128;" ::: "memory");
     }
     return;
   }
