@@ -316,29 +316,46 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
     const auto [b, n_union, r0] = union_block(p, ubi);
     const int passes = (n_union + 2 * NW - 1) / (2 * NW);
+    // This thread's two rows R = 16 warp + lane / 4 + 8 hf. A row's entries ascend in rank (the plan
+    // sorts them), so the entries on this warpgroup's 256 columns of a pass are one run: a cursor per
+    // row walks each entry about twice per block (its own run, then skipped by the other warpgroup),
+    // where a scan per pass read all of them every pass (session 23's ncu: ~35% of consumer time).
+    uint32_t* ent[2];
+    uint32_t n[2], cur[2] = {0u, 0u};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * warp + lane / 4 + 8 * hf;
+      const uint32_t c = p.w.rowcnt[size_t(b) * UB + r];
+      n[hf] = c == NOT_HERE ? 0u : c;
+      ent[hf] = p.w.ent + size_t(r0 + r) * ROW_CAP;
+    }
     for (int pass = 0; pass < passes; ++pass) {
+      // The first 4 entries at each cursor are loaded before the MMAs, so their latency is hidden.
+      // Reading them with ld.global.nc is safe: only the rank bits are used before this thread
+      // rewrites an entry it owns, and an entry's other owner (a lane of the other warpgroup) only
+      // changes the value bits.
+      uint32_t v[2][4];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[hf][j] = cur[hf] + j < n[hf] ? __ldg(ent[hf] + cur[hf] + j) : 0u;
       mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
           acc, steps, smem, full, empty, stage, phase, g, lane,
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
-      // Epilogue straight from the accumulators: this thread holds rows R = 16 warp + lane / 4 + 8 hf,
-      // columns 8 i + 2 q + {0, 1} in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its two
-      // rows whose rank falls on its columns: gate -> h = bf16(gate * bf16(u)). Reading them with
-      // ld.global.nc is safe: an entry is rewritten once, by its owner, after this read.
+      // Epilogue straight from the accumulators: this thread holds columns 8 i + 2 q + {0, 1} of row
+      // R in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its rows whose rank falls on its
+      // columns: gate -> h = bf16(gate * bf16(u)).
       const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = 16 * warp + lane / 4 + 8 * hf;
-        uint32_t n = p.w.rowcnt[size_t(b) * UB + r];
-        n = n == NOT_HERE ? 0u : n;
-        uint32_t* ent = p.w.ent + size_t(r0 + r) * ROW_CAP;
-        for (uint32_t e0 = 0; e0 < n; e0 += 4) {
-          uint32_t v[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) v[j] = e0 + j < n ? __ldg(ent + e0 + j) : 0xFFFFu;  // rank 65535: no column
+        while (true) {
+          uint32_t below = 0;  // entries of this group with rank < c0 + NW: a prefix, ranks ascend
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const uint32_t col = (v[j] & 0xFFFFu) - c0;
-            if (col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
+            const bool valid = cur[hf] + j < n[hf];
+            const uint32_t col = (v[hf][j] & 0xFFFFu) - c0;
+            below += valid && (v[hf][j] & 0xFFFFu) < c0 + NW;
+            if (valid && col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
               const int ci = int(col >> 3), odd = int(col & 1);
               float u = 0.f;
 #pragma unroll
@@ -346,15 +363,20 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
                 if (i == ci) u = odd ? acc[4 * i + 2 * hf + 1] : acc[4 * i + 2 * hf];
               }
               const float ub = __bfloat162float(__float2bfloat16_rn(u));
-              const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[j]) * ub);
-              ent[e0 + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[j] & 0xFFFFu);
+              const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf][j]) * ub);
+              ent[hf][cur[hf] + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[hf][j] & 0xFFFFu);
             }
           }
+          cur[hf] += below;
+          if (below < 4) break;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[hf][j] = cur[hf] + j < n[hf] ? __ldg(ent[hf] + cur[hf] + j) : 0u;
         }
       }
     }
   }
 }
+
 
 // Persistent like up_kernel. An item is (union block, 512-column chunk); CTA c takes the contiguous
 // run of items [it0, it1), so its consecutive items mostly share a block, whose staging in shared
