@@ -26,6 +26,7 @@ from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
 from twell.reference.ffn import UNION_RULE as RULE
+PREV_RULE = (0.43, 600.0)  # the rule fitted in session 19, before sessions 23-24 made the union kernels cheaper
 from union_ratio import with_ratio, with_rule  # this script's directory is on sys.path
 
 
@@ -46,7 +47,8 @@ def timing(x, wg, wu, wd) -> dict:
     if union:
         fns.update({"sparse_union": ratio(1e9, sparse), "fused_union": ratio(1e9, fused),
                     "fused_union_0.5": ratio(0.5, fused), "fused_union_0.35": ratio(0.35, fused),
-                    "fused_union_rule": with_rule(*RULE, fused), "sparse_union_rule": with_rule(*RULE, sparse)})
+                    "fused_union_rule": with_rule(*RULE, fused), "sparse_union_rule": with_rule(*RULE, sparse),
+                    "fused_union_prev_rule": with_rule(*PREV_RULE, fused)})
     t = time_alternating(fns, "cuda", reps=30)
     xf = x.float()
     ref = F.linear(F.relu(F.linear(xf, wg.float())) * F.linear(xf, wu.float()), wd.float())
@@ -60,7 +62,7 @@ def timing(x, wg, wu, wd) -> dict:
         res["speedup_union"] = round(t["dense"].median_ms / t["sparse_union"].median_ms, 3)
         res["speedup_union_rule"] = round(t["dense"].median_ms / t["sparse_union_rule"].median_ms, 3)
         res["rel_err_sparse_union_rule"] = err(with_rule(*RULE, sparse)())
-        for r, b in ((1e9, 0.0), (0.5, 0.0), (0.35, 0.0), RULE):
+        for r, b in ((1e9, 0.0), (0.5, 0.0), (0.35, 0.0), RULE, PREV_RULE):
             plan = kernels.union_plan(x, gate, wu, wdt, ratio=r, base=b)
             sz = plan["union_sizes"].float()
             res[f"union_plan_{r:g}" + (f"_base{b:g}" if b else "")] = {

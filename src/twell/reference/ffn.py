@@ -32,9 +32,11 @@ def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tens
         check_tensor(name, w, dtype=torch.bfloat16, shape=(gate.n_cols, x.shape[1]), device=x.device, contiguous=True)
 
 
-# The block-union rule (ratio, base) fitted on the H100 in session 19 (csrc/NOTES.md): per block of 64
-# rows, the union path pays when entries > ~600 + 2.3 |U|. Used by twell.model.choose_union_paths.
-UNION_RULE = (0.43, 600.0)
+# The block-union rule (ratio, base), refitted on the H100 in session 24 after the union kernels got
+# cheaper (csrc/NOTES.md): per block of 64 rows, the union path pays when entries > ~400 + 1.25 |U|.
+# It sends every generator case and every layer of a 4-layer retrain to its faster path. Used by
+# twell.model.choose_union_paths. (Session 19's fit on the old kernels was (0.43, 600).)
+UNION_RULE = (0.8, 400.0)
 
 
 def check_union_rule(union) -> Optional[tuple[float, float]]:
