@@ -42,6 +42,11 @@ constexpr int MAX_SLOT = 8192;              // union row offsets held in shared 
 // Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
 __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
 
+// The up kernel's grid is capped so that its scratch (one bf16 u tile per consumer warpgroup, 64 KB per
+// CTA) has a fixed size; an H100 has 132 SMs.
+constexpr int UP_MAX_CTAS = 160;
+constexpr int USCR_WORDS = 2 * UB * NW / 2;  // per CTA: 2 warpgroups x 64 rows x 256 bf16
+
 constexpr int OFF_STRIDE = 36;              // up producer: words per row group of B row offsets
 constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 16 * OFF_STRIDE * 4 + 1024 + 64;
 constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 4 + (MAX_SLOT / DK + 4 + UB) * 4 + 1024 + 64;
@@ -329,48 +334,66 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       n[hf] = c == NOT_HERE ? 0u : c;
       ent[hf] = p.w.ent + size_t(r0 + r) * ROW_CAP;
     }
+    // This warpgroup's scratch tile; a warp writes and reads only its own 16 rows.
+    uint32_t* scr = p.w.uscr + (size_t(blockIdx.x) * 2 + g) * (USCR_WORDS / 2);
     for (int pass = 0; pass < passes; ++pass) {
-      // The first 4 entries at each cursor are loaded before the MMAs, so their latency is hidden.
-      // Reading them with ld.global.nc is safe: only the rank bits are used before this thread
-      // rewrites an entry it owns, and an entry's other owner (a lane of the other warpgroup) only
-      // changes the value bits.
-      uint32_t v[2][4];
+      // Lane q of a row takes entry cur + q (the row's 4 lanes take 4 consecutive entries); loaded
+      // before the MMAs, so the epilogue's first step does not wait on L2. Reading entries with
+      // ld.global.nc is safe: before an entry is rewritten only its rank bits are used, and its
+      // other reader (the other warpgroup) only skips it by rank.
+      uint32_t v[2];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[hf][j] = cur[hf] + j < n[hf] ? __ldg(ent[hf] + cur[hf] + j) : 0u;
+      for (int hf = 0; hf < 2; ++hf) v[hf] = cur[hf] + q < n[hf] ? __ldg(ent[hf] + cur[hf] + q) : 0u;
       mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
           acc, steps, smem, full, empty, stage, phase, g, lane,
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
-      // Epilogue straight from the accumulators: this thread holds columns 8 i + 2 q + {0, 1} of row
-      // R in acc[4 i + 2 hf + {0, 1}]. It rewrites the entries of its rows whose rank falls on its
-      // columns: gate -> h = bf16(gate * bf16(u)).
-      const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW);
+      // Epilogue, step 1: bf16(u) of the tile to the scratch (session 24; before, each entry picked
+      // its u out of the owner's 128 accumulators with a 32-way select, ~4000 instructions per warp
+      // and pass). This thread holds columns 8 i + 2 q + {0, 1} of row R in acc[4 i + 2 hf + {0, 1}];
+      // column c of a row sits in word (i / 4) * 16 + q * 4 + i % 4 (i = c / 8, q = c / 2 % 4), half
+      // c % 2, so the row's 4 lanes store 64 contiguous bytes per instruction.
+      __syncwarp();  // this warp's reads of the previous pass's tile are done
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        while (true) {
-          uint32_t below = 0;  // entries of this group with rank < c0 + NW: a prefix, ranks ascend
+        uint4* dst = reinterpret_cast<uint4*>(scr + (16 * warp + lane / 4 + 8 * hf) * (NW / 2));
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          uint32_t w[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const bool valid = cur[hf] + j < n[hf];
-            const uint32_t col = (v[hf][j] & 0xFFFFu) - c0;
-            below += valid && (v[hf][j] & 0xFFFFu) < c0 + NW;
-            if (valid && col < uint32_t(NW) && ((col >> 1) & 3u) == uint32_t(q)) {
-              const int ci = int(col >> 3), odd = int(col & 1);
-              float u = 0.f;
-#pragma unroll
-              for (int i = 0; i < 32; ++i) {
-                if (i == ci) u = odd ? acc[4 * i + 2 * hf + 1] : acc[4 * i + 2 * hf];
-              }
-              const float ub = __bfloat162float(__float2bfloat16_rn(u));
-              const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf][j]) * ub);
-              ent[hf][cur[hf] + j] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | (v[hf][j] & 0xFFFFu);
-            }
+            const __nv_bfloat162 b = __floats2bfloat162_rn(acc[4 * (4 * k + j) + 2 * hf], acc[4 * (4 * k + j) + 2 * hf + 1]);
+            w[j] = *reinterpret_cast<const uint32_t*>(&b);
           }
-          cur[hf] += below;
-          if (below < 4) break;
+          dst[4 * k + q] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+      __syncwarp();  // a row's tile is written by its 4 lanes, all in this warp
+      // Step 2: the entries of this warpgroup's 256 columns, gate -> h = bf16(gate * bf16(u)). A row's
+      // entries ascend in rank (the plan sorts them), so they are one run from the cursor; the row's
+      // 4 lanes walk it 4 entries at a time, and entries below c0 (the other warpgroup's) are skipped.
+      // Every lane stays in the loop until the whole warp is done: the ballot needs all of them.
+      const uint32_t c0 = uint32_t(pass * 2 * NW + g * NW), c1 = c0 + NW;
+      bool more[2] = {true, true};
+      while (__any_sync(0xffffffffu, more[0] || more[1])) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) v[hf][j] = cur[hf] + j < n[hf] ? __ldg(ent[hf] + cur[hf] + j) : 0u;
+        for (int hf = 0; hf < 2; ++hf) {
+          const uint32_t rank = v[hf] & 0xFFFFu;
+          const bool in = more[hf] && cur[hf] + q < n[hf] && rank < c1;
+          if (in && rank >= c0) {
+            const uint32_t col = rank - c0, i = col >> 3;
+            const uint32_t w = __ldcg(scr + (16 * warp + lane / 4 + 8 * hf) * (NW / 2) + (i >> 2) * 16 +
+                                      ((col >> 1) & 3u) * 4 + (i & 3u));
+            const float ub = __bfloat162float(__ushort_as_bfloat16(uint16_t((col & 1) ? w >> 16 : w & 0xFFFFu)));
+            const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf]) * ub);
+            ent[hf][cur[hf] + q] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | rank;
+          }
+          // Entries below c1 are a prefix of the 4: the cursor moves past them; fewer than 4 ends the run.
+          const uint32_t below = __popc((__ballot_sync(0xffffffffu, in) >> (lane & ~3)) & 0xFu);
+          if (more[hf]) {
+            cur[hf] += below;
+            more[hf] = below == 4;
+            if (more[hf]) v[hf] = cur[hf] + q < n[hf] ? __ldg(ent[hf] + cur[hf] + q) : 0u;
+          }
         }
       }
     }
@@ -563,7 +586,8 @@ bool union_supported(int D, int H, bool gated) { return union_unsupported(D, H, 
 size_t union_workspace_words(int M, int H) {
   const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;
   auto up4 = [](size_t w) { return (w + 3) & ~size_t(3); };
-  return up4(2) + up4(M) + 2 * up4(nb) + up4(nb * uni::UB) + up4(nb * uni::ulist_slot(H) / 2) + nb * uni::UB * uni::ROW_CAP;
+  return up4(2) + up4(M) + 2 * up4(nb) + up4(nb * uni::UB) + up4(nb * uni::ulist_slot(H) / 2) +
+         nb * uni::UB * uni::ROW_CAP + size_t(uni::UP_MAX_CTAS) * uni::USCR_WORDS;
 }
 
 Workspace union_workspace(uint32_t* base, int M, int H) {
@@ -577,6 +601,7 @@ Workspace union_workspace(uint32_t* base, int M, int H) {
   w.rowcnt = w.usize + up4(nb);
   w.ulist = reinterpret_cast<uint16_t*>(w.rowcnt + up4(nb * uni::UB));
   w.ent = reinterpret_cast<uint32_t*>(w.ulist) + up4(nb * uni::ulist_slot(H) / 2);
+  w.uscr = w.ent + nb * uni::UB * uni::ROW_CAP;  // 16-byte aligned: every part above is a multiple of 4 words
   return w;
 }
 
@@ -610,7 +635,7 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
   err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
-  uni::up_kernel<<<std::min(nb, sms), 384, uni::UP_SMEM, stream>>>(p);
+  uni::up_kernel<<<std::min({nb, sms, uni::UP_MAX_CTAS}), 384, uni::UP_SMEM, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   uni::down_kernel<<<std::min(nb * (D / uni::DCHUNK), sms), 384, uni::DOWN_SMEM, stream>>>(p);
