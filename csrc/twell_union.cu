@@ -377,6 +377,9 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       while (__any_sync(0xffffffffu, more[0] || more[1])) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
+          // The next 4 entries are loaded before this step's u, so the two L2 round trips overlap;
+          // used only when all 4 current ones are below c1.
+          const uint32_t nxt = more[hf] && cur[hf] + 4 + q < n[hf] ? __ldg(ent[hf] + cur[hf] + 4 + q) : 0u;
           const uint32_t rank = v[hf] & 0xFFFFu;
           const bool in = more[hf] && cur[hf] + q < n[hf] && rank < c1;
           if (in && rank >= c0) {
@@ -392,7 +395,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
           if (more[hf]) {
             cur[hf] += below;
             more[hf] = below == 4;
-            if (more[hf]) v[hf] = cur[hf] + q < n[hf] ? __ldg(ent[hf] + cur[hf] + q) : 0u;
+            if (more[hf]) v[hf] = nxt;
           }
         }
       }
