@@ -45,7 +45,7 @@ __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
 // The up kernel's grid is capped so that its scratch (one bf16 u tile per consumer warpgroup, 64 KB per
 // CTA) has a fixed size; an H100 has 132 SMs.
 constexpr int UP_MAX_CTAS = 160;
-constexpr int USCR_WORDS = 2 * UB * NW / 2;  // per CTA: 2 warpgroups x 64 rows x 256 bf16
+constexpr int USCR_WG_WORDS = UB * NW / 2;  // per consumer warpgroup: 64 rows x 256 bf16
 
 constexpr int OFF_STRIDE = 36;              // up producer: words per row group of B row offsets
 constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 16 * OFF_STRIDE * 4 + 1024 + 64;
@@ -318,24 +318,32 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   uint32_t phase = 0;
   float acc[128];
+  // This thread's two rows of a block, R = 16 warp + lane / 4 + 8 hf, and their rows of this
+  // warpgroup's scratch tile (a warp writes and reads only its own 16 rows).
+  int row[2];
+  uint32_t* srow[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    row[hf] = 16 * warp + lane / 4 + 8 * hf;
+    srow[hf] = p.w.uscr + (size_t(blockIdx.x) * 2 + g) * USCR_WG_WORDS + row[hf] * (NW / 2);
+  }
   for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
     const auto [b, n_union, r0] = union_block(p, ubi);
     const int passes = (n_union + 2 * NW - 1) / (2 * NW);
-    // This thread's two rows R = 16 warp + lane / 4 + 8 hf. A row's entries ascend in rank (the plan
-    // sorts them), so the entries on this warpgroup's 256 columns of a pass are one run: a cursor per
-    // row walks each entry about twice per block (its own run, then skipped by the other warpgroup),
-    // where a scan per pass read all of them every pass (session 23's ncu: ~35% of consumer time).
+    // A row's entries ascend in rank (the plan sorts them), so the entries on this warpgroup's 256
+    // columns of a pass are one run: a cursor per row walks each entry about twice per block (its own
+    // run, then skipped by the other warpgroup), where a scan per pass read all of them every pass
+    // (session 23's ncu: ~35% of consumer time).
     uint32_t* ent[2];
     uint32_t n[2], cur[2] = {0u, 0u};
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * warp + lane / 4 + 8 * hf;
-      const uint32_t c = p.w.rowcnt[size_t(b) * UB + r];
+      const uint32_t c = p.w.rowcnt[size_t(b) * UB + row[hf]];
       n[hf] = c == NOT_HERE ? 0u : c;
-      ent[hf] = p.w.ent + size_t(r0 + r) * ROW_CAP;
+      ent[hf] = p.w.ent + size_t(r0 + row[hf]) * ROW_CAP;
     }
-    // This warpgroup's scratch tile; a warp writes and reads only its own 16 rows.
-    uint32_t* scr = p.w.uscr + (size_t(blockIdx.x) * 2 + g) * (USCR_WORDS / 2);
+    // Entry i of row hf, 0 past the row's end.
+    auto entry = [&](int hf, uint32_t i) { return i < n[hf] ? __ldg(ent[hf] + i) : 0u; };
     for (int pass = 0; pass < passes; ++pass) {
       // Lane q of a row takes entry cur + q (the row's 4 lanes take 4 consecutive entries); loaded
       // before the MMAs, so the epilogue's first step does not wait on L2. Reading entries with
@@ -343,7 +351,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       // other reader (the other warpgroup) only skips it by rank.
       uint32_t v[2];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) v[hf] = cur[hf] + q < n[hf] ? __ldg(ent[hf] + cur[hf] + q) : 0u;
+      for (int hf = 0; hf < 2; ++hf) v[hf] = entry(hf, cur[hf] + q);
       mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
           acc, steps, smem, full, empty, stage, phase, g, lane,
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
@@ -355,7 +363,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       __syncwarp();  // this warp's reads of the previous pass's tile are done
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        uint4* dst = reinterpret_cast<uint4*>(scr + (16 * warp + lane / 4 + 8 * hf) * (NW / 2));
+        uint4* dst = reinterpret_cast<uint4*>(srow[hf]);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           uint32_t w[4];
@@ -379,13 +387,12 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
         for (int hf = 0; hf < 2; ++hf) {
           // The next 4 entries are loaded before this step's u, so the two L2 round trips overlap;
           // used only when all 4 current ones are below c1.
-          const uint32_t nxt = more[hf] && cur[hf] + 4 + q < n[hf] ? __ldg(ent[hf] + cur[hf] + 4 + q) : 0u;
+          const uint32_t nxt = more[hf] ? entry(hf, cur[hf] + 4 + q) : 0u;
           const uint32_t rank = v[hf] & 0xFFFFu;
           const bool in = more[hf] && cur[hf] + q < n[hf] && rank < c1;
           if (in && rank >= c0) {
             const uint32_t col = rank - c0, i = col >> 3;
-            const uint32_t w = __ldcg(scr + (16 * warp + lane / 4 + 8 * hf) * (NW / 2) + (i >> 2) * 16 +
-                                      ((col >> 1) & 3u) * 4 + (i & 3u));
+            const uint32_t w = __ldcg(srow[hf] + (i >> 2) * 16 + ((col >> 1) & 3u) * 4 + (i & 3u));
             const float ub = __bfloat162float(__ushort_as_bfloat16(uint16_t((col & 1) ? w >> 16 : w & 0xFFFFu)));
             const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf]) * ub);
             ent[hf][cur[hf] + q] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | rank;
@@ -590,7 +597,7 @@ size_t union_workspace_words(int M, int H) {
   const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;
   auto up4 = [](size_t w) { return (w + 3) & ~size_t(3); };
   return up4(2) + up4(M) + 2 * up4(nb) + up4(nb * uni::UB) + up4(nb * uni::ulist_slot(H) / 2) +
-         nb * uni::UB * uni::ROW_CAP + size_t(uni::UP_MAX_CTAS) * uni::USCR_WORDS;
+         nb * uni::UB * uni::ROW_CAP + size_t(uni::UP_MAX_CTAS) * 2 * uni::USCR_WG_WORDS;
 }
 
 Workspace union_workspace(uint32_t* base, int M, int H) {
