@@ -83,7 +83,6 @@ struct Workspace {
   uint32_t* rowcnt;      // per block row: entries, or 0xFFFFFFFF when another kernel computes the row
   uint16_t* ulist;       // per block: U (sorted neuron ids), H slots
   uint32_t* ent;         // per row: ROW_CAP entries (bf16 value << 16 | rank in U)
-  uint32_t* uscr;        // per up-kernel CTA and consumer warpgroup: bf16(u) of its 64 x 256 tile
 };
 // Why the union path cannot serve a layer of this shape, or "" when it can.
 std::string union_unsupported(int D, int H, bool gated);

@@ -42,11 +42,6 @@ constexpr int MAX_SLOT = 8192;              // union row offsets held in shared 
 // Union ids per block slot: H rounded up to 64, so every 64-id slice is 128-byte aligned.
 __host__ __device__ constexpr int ulist_slot(int H) { return (H + 63) & ~63; }
 
-// The up kernel's grid is capped so that its scratch (one bf16 u tile per consumer warpgroup, 64 KB per
-// CTA) has a fixed size; an H100 has 132 SMs.
-constexpr int UP_MAX_CTAS = 160;
-constexpr int USCR_WG_WORDS = UB * NW / 2;  // per consumer warpgroup: 64 rows x 256 bf16
-
 constexpr int OFF_STRIDE = 36;              // up producer: words per row group of B row offsets
 constexpr int UP_SMEM = UP_STAGES * UP_STAGE + 16 * OFF_STRIDE * 4 + 1024 + 64;
 constexpr int DOWN_SMEM = DN_STAGES * DN_STAGE + UB * ROW_CAP * 4 + MAX_SLOT * 4 + (MAX_SLOT / DK + 4 + UB) * 4 + 1024 + 64;
@@ -209,12 +204,12 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
 
 // Consumer side of one K loop over `steps` stages (wgmma_k_loop; the producers fill stages with
 // cp.async and st.shared, hence the fence); zeroes acc first, returns with all MMAs done.
-template <int TB, int KS, int NST, int STAGE, int B_OFF, class DescB>
+template <int TB, int KS, int NST, int STAGE, int B_OFF, bool HOLD_LAST = false, class DescB>
 __device__ __forceinline__ void mma_loop(float (&acc)[128], int steps, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                          int& stage, uint32_t& phase, int g, int lane, DescB desc_b) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  wgmma_k_loop<TB, KS, NST, true>(
+  wgmma_k_loop<TB, KS, NST, true, HOLD_LAST>(
       acc, steps, full, stage, phase, [&](int st) { return smem_u32(smem + st * STAGE); },
       [&](int st, int k) { return desc_b(smem_u32(smem + st * STAGE) + A_BYTES + g * B_OFF, k); },
       [&](int st) { if (lane == 0) mbar_arrive(&empty[st]); });
@@ -318,14 +313,14 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   uint32_t phase = 0;
   float acc[128];
-  // This thread's two rows of a block, R = 16 warp + lane / 4 + 8 hf, and their rows of this
-  // warpgroup's scratch tile (a warp writes and reads only its own 16 rows).
+  // This thread's two rows of a block, R = 16 warp + lane / 4 + 8 hf, and where they sit in the
+  // warpgroup's u tile of a stage (a warp writes and reads only its own 16 rows).
   int row[2];
-  uint32_t* srow[2];
+  uint32_t srow[2];  // byte offsets in a stage
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     row[hf] = 16 * warp + lane / 4 + 8 * hf;
-    srow[hf] = p.w.uscr + (size_t(blockIdx.x) * 2 + g) * USCR_WG_WORDS + row[hf] * (NW / 2);
+    srow[hf] = uint32_t(A_BYTES + g * (UP_B_BYTES / 2) + row[hf] * (NW * 2));
   }
   for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
     const auto [b, n_union, r0] = union_block(p, ubi);
@@ -352,18 +347,23 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       uint32_t v[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) v[hf] = entry(hf, cur[hf] + q);
-      mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2>(
+      mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2, true>(
           acc, steps, smem, full, empty, stage, phase, g, lane,
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
-      // Epilogue, step 1: bf16(u) of the tile to the scratch (session 24; before, each entry picked
+      // The pass's last stage is held: this warpgroup's B half of it (32 KB, read only by its own
+      // MMAs, which are done) takes the u tile, and each warp releases the stage after its epilogue.
+      // (Session 24 kept the tile in global scratch; each entry then waited on L2 for its u.)
+      const int held = stage == 0 ? UP_STAGES - 1 : stage - 1;
+      const uint32_t tile = smem_u32(smem + held * UP_STAGE);
+      // Epilogue, step 1: bf16(u) of the tile to shared memory (before session 24, each entry picked
       // its u out of the owner's 128 accumulators with a 32-way select, ~4000 instructions per warp
       // and pass). This thread holds columns 8 i + 2 q + {0, 1} of row R in acc[4 i + 2 hf + {0, 1}];
-      // column c of a row sits in word (i / 4) * 16 + q * 4 + i % 4 (i = c / 8, q = c / 2 % 4), half
-      // c % 2, so the row's 4 lanes store 64 contiguous bytes per instruction.
-      __syncwarp();  // this warp's reads of the previous pass's tile are done
+      // column c of a row sits in 16-byte chunk (i / 4) * 4 + q, word i % 4 (i = c / 8, q = c / 2 % 4),
+      // half c % 2, so the row's 4 lanes store 64 contiguous bytes per instruction. Odd rows flip
+      // chunk bit 2: the two rows of a quarter warp's store hit different banks.
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        uint4* dst = reinterpret_cast<uint4*>(srow[hf]);
+        const uint32_t dst = tile + srow[hf], flip = (row[hf] & 1) << 2;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           uint32_t w[4];
@@ -372,7 +372,8 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
             const __nv_bfloat162 b = __floats2bfloat162_rn(acc[4 * (4 * k + j) + 2 * hf], acc[4 * (4 * k + j) + 2 * hf + 1]);
             w[j] = *reinterpret_cast<const uint32_t*>(&b);
           }
-          dst[4 * k + q] = make_uint4(w[0], w[1], w[2], w[3]);
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + 16 * ((4 * k + q) ^ flip)),
+                       "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
         }
       }
       __syncwarp();  // a row's tile is written by its 4 lanes, all in this warp
@@ -392,7 +393,9 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
           const bool in = more[hf] && cur[hf] + q < n[hf] && rank < c1;
           if (in && rank >= c0) {
             const uint32_t col = rank - c0, i = col >> 3;
-            const uint32_t w = __ldcg(srow[hf] + (i >> 2) * 16 + ((col >> 1) & 3u) * 4 + (i & 3u));
+            const uint32_t chunk = ((i >> 2) * 4 + ((col >> 1) & 3u)) ^ (uint32_t(row[hf] & 1) << 2);
+            uint32_t w;
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(tile + srow[hf] + 16 * chunk + 4 * (i & 3u)) : "memory");
             const float ub = __bfloat162float(__ushort_as_bfloat16(uint16_t((col & 1) ? w >> 16 : w & 0xFFFFu)));
             const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf]) * ub);
             ent[hf][cur[hf] + q] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | rank;
@@ -406,6 +409,8 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
           }
         }
       }
+      __syncwarp();  // the warp's reads of its rows of the tile are done
+      if (lane == 0) mbar_arrive(&empty[held]);
     }
   }
 }
@@ -597,7 +602,7 @@ size_t union_workspace_words(int M, int H) {
   const size_t nb = (size_t(M) + uni::UB - 1) / uni::UB;
   auto up4 = [](size_t w) { return (w + 3) & ~size_t(3); };
   return up4(2) + up4(M) + 2 * up4(nb) + up4(nb * uni::UB) + up4(nb * uni::ulist_slot(H) / 2) +
-         nb * uni::UB * uni::ROW_CAP + size_t(uni::UP_MAX_CTAS) * 2 * uni::USCR_WG_WORDS;
+         nb * uni::UB * uni::ROW_CAP;
 }
 
 Workspace union_workspace(uint32_t* base, int M, int H) {
@@ -611,7 +616,6 @@ Workspace union_workspace(uint32_t* base, int M, int H) {
   w.rowcnt = w.usize + up4(nb);
   w.ulist = reinterpret_cast<uint16_t*>(w.rowcnt + up4(nb * uni::UB));
   w.ent = reinterpret_cast<uint32_t*>(w.ulist) + up4(nb * uni::ulist_slot(H) / 2);
-  w.uscr = w.ent + nb * uni::UB * uni::ROW_CAP;  // 16-byte aligned: every part above is a multiple of 4 words
   return w;
 }
 
@@ -645,7 +649,7 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
   err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err != cudaSuccess) return err;
-  uni::up_kernel<<<std::min({nb, sms, uni::UP_MAX_CTAS}), 384, uni::UP_SMEM, stream>>>(p);
+  uni::up_kernel<<<std::min(nb, sms), 384, uni::UP_SMEM, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   uni::down_kernel<<<std::min(nb * (D / uni::DCHUNK), sms), 384, uni::DOWN_SMEM, stream>>>(p);

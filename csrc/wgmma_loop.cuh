@@ -16,7 +16,8 @@ namespace twell {
 //   release(stage)    arrive on the stage's empty barrier(s); called by every thread
 // FENCE: the producer fills stages through the generic proxy (cp.async, st.shared), so they must be
 // fenced before the async-proxy wgmma reads them; TMA-filled stages need no fence.
-template <int TB, int KS, int NST, bool FENCE, class AAddr, class BDesc, class Release>
+// HOLD_LAST: the last stage is not released; the caller may reuse it and must release it.
+template <int TB, int KS, int NST, bool FENCE, bool HOLD_LAST = false, class AAddr, class BDesc, class Release>
 __device__ __forceinline__ void wgmma_k_loop(float (&acc)[128], int steps, uint64_t* full, int& stage,
                                              uint32_t& phase, AAddr a_addr, BDesc b_desc, Release release) {
   int prev = -1;
@@ -34,7 +35,7 @@ __device__ __forceinline__ void wgmma_k_loop(float (&acc)[128], int steps, uint6
     if (++stage == NST) { stage = 0; phase ^= 1; }
   }
   wgmma_wait<0>();
-  if (prev >= 0) release(prev);
+  if (!HOLD_LAST && prev >= 0) release(prev);
 }
 
 }  // namespace twell
