@@ -64,7 +64,6 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-
 // Move registers from the producer warpgroup (address arithmetic only) to the two consumer
 // warpgroups (128 accumulators each): 56 + 2 x 224 per thread fits the 64K-register file.
 __device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 56;"); }
@@ -203,13 +202,14 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
 // ring of stages, warpgroups 1 and 2 each run wgmma m64n256k16 on their own 256 columns.
 
 // Consumer side of one K loop over `steps` stages (wgmma_k_loop; the producers fill stages with
-// cp.async and st.shared, hence the fence); zeroes acc first, returns with all MMAs done.
+// cp.async and st.shared, hence the fence); zeroes acc first, returns with all MMAs done and the
+// last stage used (held, with HOLD_LAST).
 template <int TB, int KS, int NST, int STAGE, int B_OFF, bool HOLD_LAST = false, class DescB>
-__device__ __forceinline__ void mma_loop(float (&acc)[128], int steps, uint8_t* smem, uint64_t* full, uint64_t* empty,
+__device__ __forceinline__ int mma_loop(float (&acc)[128], int steps, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                          int& stage, uint32_t& phase, int g, int lane, DescB desc_b) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  wgmma_k_loop<TB, KS, NST, true, HOLD_LAST>(
+  return wgmma_k_loop<TB, KS, NST, true, HOLD_LAST>(
       acc, steps, full, stage, phase, [&](int st) { return smem_u32(smem + st * STAGE); },
       [&](int st, int k) { return desc_b(smem_u32(smem + st * STAGE) + A_BYTES + g * B_OFF, k); },
       [&](int st) { if (lane == 0) mbar_arrive(&empty[st]); });
@@ -316,11 +316,12 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   // This thread's two rows of a block, R = 16 warp + lane / 4 + 8 hf, and where they sit in the
   // warpgroup's u tile of a stage (a warp writes and reads only its own 16 rows).
   int row[2];
-  uint32_t srow[2];  // byte offsets in a stage
+  uint32_t srow[2], flip[2];  // byte offset of the row in a stage; its chunk swizzle (see step 1)
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     row[hf] = 16 * warp + lane / 4 + 8 * hf;
     srow[hf] = uint32_t(A_BYTES + g * (UP_B_BYTES / 2) + row[hf] * (NW * 2));
+    flip[hf] = uint32_t(row[hf] & 1) << 2;
   }
   for (int ubi = blockIdx.x; ubi < n_ub; ubi += gridDim.x) {
     const auto [b, n_union, r0] = union_block(p, ubi);
@@ -347,14 +348,15 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       uint32_t v[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) v[hf] = entry(hf, cur[hf] + q);
-      mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2, true>(
+      const int held = mma_loop<0, BK / 16, UP_STAGES, UP_STAGE, UP_B_BYTES / 2, true>(
           acc, steps, smem, full, empty, stage, phase, g, lane,
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
       // The pass's last stage is held: this warpgroup's B half of it (32 KB, read only by its own
       // MMAs, which are done) takes the u tile, and each warp releases the stage after its epilogue.
       // (Session 24 kept the tile in global scratch; each entry then waited on L2 for its u.)
-      const int held = stage == 0 ? UP_STAGES - 1 : stage - 1;
       const uint32_t tile = smem_u32(smem + held * UP_STAGE);
+      // Shared address of 16-byte chunk ch of row hf's u (the layout below, in one place).
+      auto u_chunk = [&](int hf, uint32_t ch) { return tile + srow[hf] + 16 * (ch ^ flip[hf]); };
       // Epilogue, step 1: bf16(u) of the tile to shared memory (before session 24, each entry picked
       // its u out of the owner's 128 accumulators with a 32-way select, ~4000 instructions per warp
       // and pass). This thread holds columns 8 i + 2 q + {0, 1} of row R in acc[4 i + 2 hf + {0, 1}];
@@ -363,7 +365,6 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
       // chunk bit 2: the two rows of a quarter warp's store hit different banks.
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const uint32_t dst = tile + srow[hf], flip = (row[hf] & 1) << 2;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           uint32_t w[4];
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
             const __nv_bfloat162 b = __floats2bfloat162_rn(acc[4 * (4 * k + j) + 2 * hf], acc[4 * (4 * k + j) + 2 * hf + 1]);
             w[j] = *reinterpret_cast<const uint32_t*>(&b);
           }
-          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + 16 * ((4 * k + q) ^ flip)),
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(u_chunk(hf, 4 * k + q)),
                        "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
         }
       }
@@ -393,9 +394,9 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
           const bool in = more[hf] && cur[hf] + q < n[hf] && rank < c1;
           if (in && rank >= c0) {
             const uint32_t col = rank - c0, i = col >> 3;
-            const uint32_t chunk = ((i >> 2) * 4 + ((col >> 1) & 3u)) ^ (uint32_t(row[hf] & 1) << 2);
             uint32_t w;
-            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(tile + srow[hf] + 16 * chunk + 4 * (i & 3u)) : "memory");
+            asm volatile("ld.shared.u32 %0, [%1];"
+                         : "=r"(w) : "r"(u_chunk(hf, (i >> 2) * 4 + ((col >> 1) & 3u)) + 4 * (i & 3u)) : "memory");
             const float ub = __bfloat162float(__ushort_as_bfloat16(uint16_t((col & 1) ? w >> 16 : w & 0xFFFFu)));
             const __nv_bfloat16 h = __float2bfloat16_rn(entry_value(v[hf]) * ub);
             ent[hf][cur[hf] + q] = (uint32_t(__bfloat16_as_ushort(h)) << 16) | rank;
@@ -414,7 +415,6 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
     }
   }
 }
-
 
 // Persistent like up_kernel. An item is (union block, 512-column chunk); CTA c takes the contiguous
 // run of items [it0, it1), so its consecutive items mostly share a block, whose staging in shared

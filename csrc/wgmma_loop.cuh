@@ -17,8 +17,9 @@ namespace twell {
 // FENCE: the producer fills stages through the generic proxy (cp.async, st.shared), so they must be
 // fenced before the async-proxy wgmma reads them; TMA-filled stages need no fence.
 // HOLD_LAST: the last stage is not released; the caller may reuse it and must release it.
+// Returns the last stage used (-1 when steps is 0).
 template <int TB, int KS, int NST, bool FENCE, bool HOLD_LAST = false, class AAddr, class BDesc, class Release>
-__device__ __forceinline__ void wgmma_k_loop(float (&acc)[128], int steps, uint64_t* full, int& stage,
+__device__ __forceinline__ int wgmma_k_loop(float (&acc)[128], int steps, uint64_t* full, int& stage,
                                              uint32_t& phase, AAddr a_addr, BDesc b_desc, Release release) {
   int prev = -1;
   for (int kb = 0; kb < steps; ++kb) {
@@ -36,6 +37,7 @@ __device__ __forceinline__ void wgmma_k_loop(float (&acc)[128], int steps, uint6
   }
   wgmma_wait<0>();
   if (!HOLD_LAST && prev >= 0) release(prev);
+  return prev;
 }
 
 }  // namespace twell

@@ -26,8 +26,9 @@ from twell.bench.timing import time_alternating
 from twell.model import load_pretrained
 from twell.nn import SparseFFN
 from twell.reference.ffn import UNION_RULE as RULE
-PREV_RULE = (0.43, 600.0)  # the rule fitted in session 19, before sessions 23-24 made the union kernels cheaper
 from union_ratio import with_ratio, with_rule  # this script's directory is on sys.path
+
+PREV_RULE = (0.43, 600.0)  # the rule fitted in session 19, before sessions 23-24 made the union kernels cheaper
 
 
 def timing(x, wg, wu, wd) -> dict:
