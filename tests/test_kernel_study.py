@@ -108,9 +108,9 @@ def test_verify_bad_arguments_raise():
 
 
 # -- benchmark JSON lookup ---------------------------------------------------------------------------
-def _result(timestamp: str, device: str = "cuda", name: str = "NVIDIA H100 80GB HBM3") -> dict:
+def _result(timestamp: str, device: str = "cuda", name: str = "NVIDIA H100 80GB HBM3", kind: str = "inference") -> dict:
     return {"meta": {"timestamp": timestamp, "device": device, "device_name": name, "clock": "cuda-events"},
-            "complete": True, "cases": [], "failures": [], "unavailable": {}}
+            "complete": True, "cases": [{"case": {"kind": kind}}], "failures": [], "unavailable": {}}
 
 
 def test_find_bench_json_picks_newest_gpu_result_by_timestamp(tmp_path):
@@ -123,6 +123,8 @@ def test_find_bench_json_picks_newest_gpu_result_by_timestamp(tmp_path):
     (a / "ffn-broken.json").write_text("{not json")
     (a / "ffn-nometa.json").write_text(json.dumps({"cases": []}))
     (b / "parts-newest.json").write_text(json.dumps(_result("2028-01-01T00:00:00+00:00")))
+    # A run of a checkpoint's layers alone has no generator case to show against the bars.
+    (b / "ffn-real-newest.json").write_text(json.dumps(_result("2028-01-01T00:00:00+00:00", kind="real")))
     assert ks.find_bench_json([a, b]) == b / "ffn-a-new.json"
     assert ks.find_bench_json([a]) == a / "ffn-z-old.json"
     assert ks.find_bench_json([tmp_path / "missing"]) is None

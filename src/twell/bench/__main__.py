@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from twell.bench.ffn import SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report, write_outputs
+from twell.bench.ffn import SHAPES, SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report, write_outputs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -16,8 +16,9 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("ffn", help="dense vs sparse gated FFN: correctness, time, energy, memory",
                        description="Defaults: protocol shapes on CUDA (M 8192/65536/131072, D 2048, H 5632, "
                                    "odd shape 12345 x 5600, training M 16384); tiny shapes on CPU.")
-    f.add_argument("--shapes", choices=("inference", "odd", "train", "all"), default="all",
-                   help="inference (includes the odd correctness shape), odd, train, or all (default)")
+    f.add_argument("--shapes", choices=SHAPES, default="all",
+                   help="inference (includes the odd correctness shape and, with --checkpoint, the real cases), "
+                        "odd, train, real (the checkpoint's layers only), or all (default)")
     f.add_argument("--cases", nargs="+", choices=list(SPARSITY), default=list(SPARSITY),
                    help="sparsity cases (nnz target, tail): " + ", ".join(f"{k}={v}" for k, v in SPARSITY.items()))
     f.add_argument("--M", nargs="+", type=int, help="inference token counts")
@@ -26,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--odd-M", type=int, help="token count of the odd shape")
     f.add_argument("--odd-H", type=int, help="intermediate size of the odd shape")
     f.add_argument("--train-M", type=int, help="token count of the training shape")
-    f.add_argument("--impl", nargs="+", help="inference implementations (default: twell-kernel on CUDA, "
-                                             "twell-reference on CPU)")
+    f.add_argument("--impl", nargs="+", help="inference implementations: twell-kernel, twell-kernel-union "
+                                             "(with the fitted block-union rule), twell-reference (default: "
+                                             "twell-kernel on CUDA, twell-reference on CPU)")
     f.add_argument("--train-impl", nargs="+", default=[], help="training implementations besides dense")
     f.add_argument("--reps", type=int, default=30)
     f.add_argument("--warmup", type=int, default=3)
@@ -42,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--out", type=Path, help="output directory (default reports/bench)")
     f.add_argument("--tag", default="", help="suffix of the output file names")
     f.add_argument("--quiet", action="store_true", help="no progress bar")
+    r = f.add_argument_group("real activations (BENCHMARK.md: the best input of all)")
+    r.add_argument("--checkpoint", help="trained sparse checkpoint (directory or hub id): adds one case per "
+                                        "SparseFFN layer on the inputs it receives from --tokens")
+    r.add_argument("--tokens", help="prepared data directory (twell.data.prepare) or .npy of token ids")
+    r.add_argument("--tokens-split", choices=("val", "train"), default="val")
+    r.add_argument("--real-M", type=int, help="tokens per real case (default 65536 on CUDA, 256 on CPU)")
+    r.add_argument("--real-seq", type=int, help="sequence length (default: the model's context, at most 1024)")
+    r.add_argument("--real-layers", nargs="+", type=int, help="SparseFFN layer indices (default: all)")
     return p
 
 
@@ -55,8 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         impls=tuple(args.impl) if args.impl else None, train_impls=tuple(args.train_impl), reps=args.reps,
         warmup=args.warmup, seed=args.seed, tol=args.tol, energy=not args.no_energy,
         energy_seconds=args.energy_seconds, memory=not args.no_memory, flush_l2=not args.no_flush_l2,
-        fp32_check=not args.no_fp32_check, out=args.out, tag=args.tag)
-    runner = BenchRunner(cfg, progress=not args.quiet)
+        fp32_check=not args.no_fp32_check, out=args.out, tag=args.tag, checkpoint=args.checkpoint,
+        tokens=args.tokens, tokens_split=args.tokens_split, real_M=args.real_M, real_seq=args.real_seq,
+        real_layers=tuple(args.real_layers) if args.real_layers else None)
+    try:
+        runner = BenchRunner(cfg, progress=not args.quiet)
+        runner.capture()  # a bad checkpoint or token file fails here, before any measurement
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     for name, why in runner.unavailable.items():
         print(f"WARNING: implementation {name!r} unavailable: {why}", file=sys.stderr)
     if args.out is None:

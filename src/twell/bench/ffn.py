@@ -7,6 +7,10 @@ floor) and the sparse implementations alternately (median of >= 30 CUDA-event ti
 records energy per token (NVML) and peak memory above the inputs. Training cases time the
 forward + backward with the L1 term. Results go to JSON and a markdown table.
 
+With a checkpoint (``BenchConfig.checkpoint`` and ``tokens``), "real" cases time the same FFNs on
+the inputs each of its layers receives from real text (twell.bench.captured), which BENCHMARK.md
+calls the best input of all.
+
 On CPU everything runs at tiny shapes with perf_counter so the harness itself can be tested;
 those timings are not the protocol and the output says so.
 """
@@ -27,8 +31,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from twell.bench.activity import union_reuse
+from twell.bench.captured import CapturedInputs, capture_ffn_inputs
 from twell.bench.energy import EnergyMeter, EnergyUnavailable
-from twell.bench.generator import calibrated_ffn_inputs, gate_activation, sparsity_stats
+from twell.bench.generator import FFNInputs, calibrated_ffn_inputs, gate_activation, sparsity_stats
 from twell.bench.memory import peak_memory_above_baseline
 from twell.bench.registry import ImplUnavailable, Registry, default_registry
 from twell.bench.timing import time_alternating
@@ -42,13 +48,18 @@ SPARSITY: dict[str, tuple[float, float]] = {
     "nnz29-heavy": (29, 0.35),
 }
 L1_COEF = 2e-5
+SHAPES = ("inference", "odd", "train", "real", "all")
+REAL_SHAPES = ("inference", "real", "all")  # the ones that include the checkpoint's layers
+UNION_BLOCK = 64  # rows per block of the fused kernel's block-union path (csrc/twell_union.cu)
 CPU_NOTE = ("CPU run: timings use time.perf_counter at tiny shapes to exercise the harness; they are "
             "NOT the benchmark protocol (CUDA events on an H100, shapes of BENCHMARK.md).")
 
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: shape, target sparsity, and kind ("inference", "odd" or "train")."""
+    """One benchmark case: shape, target sparsity, and kind ("inference", "odd", "train", or "real":
+    the inputs of checkpoint layer ``layer``, whose sparsity is whatever the model learnt; nnz and tail
+    are then 0)."""
 
     kind: str
     sparsity: str
@@ -58,6 +69,7 @@ class Case:
     nnz: float
     tail: float
     seed: int
+    layer: int | None = None
 
     @property
     def name(self) -> str:
@@ -69,7 +81,8 @@ class BenchConfig:
     """What to run. Shape defaults depend on the device (protocol shapes on CUDA, tiny on CPU)."""
 
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes: str = "all"                        # inference | odd | train | all (inference includes odd)
+    shapes: str = "all"                        # inference | odd | train | real | all (inference and all include
+                                               # odd, and real when a checkpoint is given)
     cases: tuple[str, ...] = tuple(SPARSITY)
     Ms: tuple[int, ...] | None = None          # inference token counts
     D: int | None = None
@@ -91,6 +104,12 @@ class BenchConfig:
     fp32_check: bool = True
     out: Path | None = None
     tag: str = ""
+    checkpoint: str | None = None              # directory or hub id: adds the "real" cases
+    tokens: str | None = None                  # prepared data directory (or .npy of token ids) to run it on
+    tokens_split: str = "val"
+    real_M: int | None = None                  # tokens per real case (default 65536 on CUDA, 256 on CPU)
+    real_seq: int | None = None                # sequence length (default the model's context, at most 1024)
+    real_layers: tuple[int, ...] | None = None  # SparseFFN layer indices (default all)
 
     def resolved(self) -> "BenchConfig":
         """A copy with every None default filled in for the device."""
@@ -102,18 +121,34 @@ class BenchConfig:
             odd_M=12345 if cuda else 203, odd_H=5600 if cuda else 700,
             train_M=16384 if cuda else 256,
             impls=("twell-kernel",) if cuda else ("twell-reference",),
+            real_M=65536 if cuda else 256,
         )
         changes = {k: v for k, v in d.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **changes)
 
 
-def build_cases(cfg: BenchConfig) -> list[Case]:
-    """The cases of the config, in run order: inference Ms, the odd shape, then training."""
-    if cfg.shapes not in ("inference", "odd", "train", "all"):
-        raise ValueError(f"shapes must be inference, odd, train or all, got {cfg.shapes!r}")
+def check_config(cfg: BenchConfig) -> None:
+    """Errors for settings that cannot run, before anything is loaded or measured."""
+    if cfg.shapes not in SHAPES:
+        raise ValueError(f"shapes must be one of {', '.join(SHAPES)}, got {cfg.shapes!r}")
     unknown = [c for c in cfg.cases if c not in SPARSITY]
     if unknown:
         raise ValueError(f"unknown cases {unknown}; known: {list(SPARSITY)}")
+    if (cfg.checkpoint is None) != (cfg.tokens is None):
+        raise ValueError("real cases need both a checkpoint and tokens to run it on (a prepared data directory); "
+                         f"got checkpoint={cfg.checkpoint!r}, tokens={cfg.tokens!r}")
+    if cfg.shapes == "real" and cfg.checkpoint is None:
+        raise ValueError("shapes 'real' needs a checkpoint and tokens (--checkpoint, --tokens)")
+    if cfg.real_M is not None and cfg.real_M < 1:
+        raise ValueError(f"real_M must be >= 1, got {cfg.real_M}")
+
+
+def build_cases(cfg: BenchConfig, captured: CapturedInputs | None = None) -> list[Case]:
+    """The cases of the config, in run order: inference Ms, the odd shape, the checkpoint's layers
+    (given its captured inputs; they are inference cases too), then training."""
+    check_config(cfg)
+    if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES and captured is None:
+        raise ValueError("the config has a checkpoint: pass its captured inputs (BenchRunner.capture())")
     cases = []
 
     def add(kind, M, H):
@@ -126,6 +161,10 @@ def build_cases(cfg: BenchConfig) -> list[Case]:
             add("inference", M, cfg.H)
     if cfg.shapes in ("inference", "odd", "all"):
         add("odd", cfg.odd_M, cfg.odd_H)
+    if cfg.shapes in REAL_SHAPES and captured is not None:
+        for layer in captured.layers:
+            M, D, H = layer.shape
+            cases.append(Case("real", f"layer{layer.layer}", M, D, H, 0.0, 0.0, cfg.seed, layer.layer))
     if cfg.shapes in ("train", "all"):
         add("train", cfg.train_M, cfg.H)
     return cases
@@ -213,6 +252,8 @@ class BenchRunner:
 
     def __post_init__(self):
         self.cfg = self.cfg.resolved()
+        check_config(self.cfg)
+        self.captured: CapturedInputs | None = None
         self.device = torch.device(self.cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -237,10 +278,28 @@ class BenchRunner:
                 self.unavailable[name] = str(exc)
         return fns
 
+    def capture(self) -> CapturedInputs | None:
+        """The checkpoint's FFN inputs (captured once, on the bench device), or None without a checkpoint."""
+        cfg = self.cfg
+        if cfg.checkpoint is not None and self.captured is None:
+            self.captured = capture_ffn_inputs(cfg.checkpoint, cfg.tokens, cfg.real_M, cfg.real_seq,
+                                               layers=cfg.real_layers, split=cfg.tokens_split, device=self.device,
+                                               progress=self.progress)
+        return self.captured
+
+    def _inputs(self, case: Case) -> FFNInputs:
+        if case.kind != "real":
+            return calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed,
+                                         device=self.device)
+        (layer,) = [c for c in self.capture().layers if c.layer == case.layer]
+        dev = self.device
+        return FFNInputs(layer.x.to(dev), layer.w_gate.to(dev), layer.w_up.to(dev), layer.w_down.to(dev),
+                         bias=math.nan, nnz=0.0, tail=0.0, seed=case.seed)
+
     # -------------------------------------------------------------- inference
     def run_inference(self, case: Case) -> dict:
         cfg, dev = self.cfg, self.device
-        inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed, device=dev)
+        inp = self._inputs(case)
         rec = self._case_header(case, inp)
         x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
         wdt = wd.t().contiguous()  # prepared once, outside every timed region
@@ -347,9 +406,13 @@ class BenchRunner:
         # At the published compression 8: the rows its format cannot hold (the published kernels err there;
         # ours spill such tiles, and the one-op FFN's own TwELL uses compression 16).
         stats = sparsity_stats(h, tile=self.cfg.tile, compression=8)
+        if case.kind != "train":
+            # Active pairs per distinct neuron in blocks of consecutive rows: how much the block-union
+            # path can save (1 = blocks share no neuron). None when M < one block.
+            stats["union_reuse_64"] = union_reuse(h != 0, (UNION_BLOCK,)).get(UNION_BLOCK)
         del h
-        return {"case": dataclasses.asdict(case), "name": case.name, "bias": inp.bias, "sparsity": stats,
-                "dense": {}, "impls": {}}
+        return {"case": dataclasses.asdict(case), "name": case.name,
+                "bias": None if case.kind == "real" else inp.bias, "sparsity": stats, "dense": {}, "impls": {}}
 
     def _energy_memory(self, rec: dict, fns: dict[str, Callable], tokens: int) -> None:
         for name, fn in fns.items():
@@ -367,8 +430,8 @@ class BenchRunner:
         ``on_case(partial_result)`` is called after each case (e.g. to write the results so far,
         so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
         """
-        cases = build_cases(self.cfg)
         started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        cases = build_cases(self.cfg, self.capture() if self.cfg.shapes in REAL_SHAPES else None)
         records = []
         bar = None
         if self.progress:
@@ -398,13 +461,18 @@ class BenchRunner:
     def _result(self, records: list[dict], started: str, complete: bool) -> dict:
         failures = [f"{r['name']}: {n}: {_failure_text(v, self.cfg.tol)}"
                     for r in records for n, v in r["impls"].items() if not v.get("ok")]
-        return {"meta": self._meta(started), "complete": complete, "cases": list(records), "failures": failures,
-                "unavailable": dict(self.unavailable)}
+        res = {"meta": self._meta(started), "complete": complete, "cases": list(records), "failures": failures,
+               "unavailable": dict(self.unavailable)}
+        if self.captured is not None:
+            res["real_inputs"] = dict(self.captured.source)
+        return res
 
     def _meta(self, started: str) -> dict:
         dev = self.device
         cfg = dataclasses.asdict(self.cfg)
         cfg["out"] = str(cfg["out"]) if cfg["out"] is not None else None
+        cfg["checkpoint"] = str(cfg["checkpoint"]) if cfg["checkpoint"] is not None else None
+        cfg["tokens"] = str(cfg["tokens"]) if cfg["tokens"] is not None else None
         meta = {
             "timestamp": started,
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -490,6 +558,7 @@ def markdown_report(result: dict) -> str:
         for r in infer:
             lines += _rows(r, tol, with_gate=True)
         lines.append("")
+        lines += _real_lines(result, infer)
     if train:
         lines += ["## Training FFN (forward + backward, L1 term included)", "",
                   "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows at C 8 "
@@ -522,9 +591,27 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _real_lines(result: dict, infer: list[dict]) -> list[str]:
+    """The paragraph under the inference table that says where the real cases' inputs came from."""
+    src = result.get("real_inputs")
+    if not src:
+        return []
+    split = f" ({src['split']} split)" if "split" in src else ""
+    text = (f"Real cases: the inputs of SparseFFN layers {src['layers']} (of {src['n_ffn_layers']}) of "
+            f"`{src['checkpoint']}` on the first {src['n_tokens']} tokens of `{src['tokens']}`{split}, "
+            f"sequences of {src['seq']} in order, captured with dense FFNs (twell.bench.captured).")
+    reuse = [f"{r['case']['kind']} {r['case']['sparsity']} (M {r['case']['M']}): {r['sparsity']['union_reuse_64']:.2f}"
+             for r in infer if r["sparsity"].get("union_reuse_64") is not None]
+    if reuse:
+        text += (f" Active (row, neuron) pairs per distinct neuron in blocks of {UNION_BLOCK} consecutive rows, "
+                 "what the block-union path can save: " + "; ".join(reuse) + ".")
+    return [text, ""]
+
+
 def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
     c, s = r["case"], r["sparsity"]
-    head = (f"| {c['kind']} {c['sparsity']} | {c['M']} | {c['D']} x {c['H']} | {c['nnz']:g} / {c['tail']:g} "
+    target = "captured" if c["kind"] == "real" else f"{c['nnz']:g} / {c['tail']:g}"
+    head = (f"| {c['kind']} {c['sparsity']} | {c['M']} | {c['D']} x {c['H']} | {target} "
             f"| {s['mean_active']:.1f} / {s['max_active']} | {s['max_per_tile']} | {s['overflow_rows']} ")
     dense = r["dense"].get("timing")
     gate = f" {_ms(r.get('gate', {}).get('timing'))} | {r['ceiling']:.2f}x |" if with_gate else ""

@@ -66,6 +66,22 @@ def _twell_kernel() -> Callable:
     return kernels.sparse_gated_ffn  # internal TwELL: tile 256, compression 16 (SPARSE_FFN_COMPRESSION)
 
 
+def _twell_kernel_union() -> Callable:
+    from twell import kernels
+    from twell.reference.ffn import UNION_RULE
+
+    ok, why = kernels.available()
+    if not ok:
+        raise ImplUnavailable(f"twell.kernels not available: {why}")
+
+    def fn(x, w_gate, w_up, w_down_t):
+        # What a SparseFFN layer runs once choose_union_paths gave it the rule: two ops (gate, then the
+        # fused kernel with the block-union path for the 64-row blocks the rule picks, per-row elsewhere).
+        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=UNION_RULE)
+
+    return fn
+
+
 def _twell_reference() -> Callable:
     from twell.reference import sparse_gated_ffn
 
@@ -73,8 +89,10 @@ def _twell_reference() -> Callable:
 
 
 def default_registry() -> Registry:
-    """A fresh registry with "twell-kernel" (CUDA, sm_90a) and "twell-reference" (pure PyTorch)."""
+    """A fresh registry with "twell-kernel" (CUDA, sm_90a), "twell-kernel-union" (the same kernels with
+    the fitted block-union rule, twell.reference.ffn.UNION_RULE) and "twell-reference" (pure PyTorch)."""
     reg = Registry()
     reg.register("twell-kernel", _twell_kernel)
+    reg.register("twell-kernel-union", _twell_kernel_union)
     reg.register("twell-reference", _twell_reference)
     return reg

@@ -256,7 +256,8 @@ def bench_dirs(reports_dir: str | Path | None = None) -> list[Path]:
 
 def find_bench_json(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") -> Path | None:
     """The GPU benchmark JSON with the newest ``meta.timestamp`` in ``dirs`` (not file times; files
-    that are not benchmark results or were measured on a CPU are skipped); None when there is none."""
+    that are not benchmark results, were measured on a CPU, or hold no generator inference case, such
+    as a run of a checkpoint's real layers alone, are skipped); None when there is none."""
     best, best_key = None, None
     for d in dirs:
         d = Path(d)
@@ -266,6 +267,8 @@ def find_bench_json(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") -> 
             try:
                 result = load_bench(path)
             except (ValueError, OSError):
+                continue
+            if not any(r["case"]["kind"] in ("inference", "odd") for r in result["cases"]):
                 continue
             key = (_timestamp(result), path.name)
             if best_key is None or key > best_key:
@@ -369,6 +372,16 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun) -> Figure:
     for (shape, M), grp in table.groupby(["shape", "M"]):
         grp = grp.sort_values("nnz mean")
         col = color[(shape, int(M))]
+        if shape == "real":  # layers of a checkpoint: separate points, not a curve over nnz
+            ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, ms=8, mec="black", mew=0.8, ls="none",
+                    label=f"real inputs (checkpoint layers), M = {M}")
+            for _, r in grp.iterrows():
+                if not math.isnan(r["speedup"]):
+                    ax.annotate(f"{r['case']}: {r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(7, 4),
+                                textcoords="offset points", fontsize=8, color=col)
+            wrong = grp[grp["correct"] != "yes"]
+            ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
+            continue
         light, heavy = grp[grp["case"] != HEAVY_CASE], grp[grp["case"] == HEAVY_CASE]
         label = f"this work, M = {M}" + (f" (odd shape, H = {int(grp['H'].iloc[0])})" if shape == "odd" else "")
         ax.plot(light["nnz mean"], light["speedup"], "o-", color=col, ms=8, lw=1.5, label=label)

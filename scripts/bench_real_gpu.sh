@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Real-activation rows of the FFN benchmark on one H100 within one 10-minute command: retrain `small`
+# (scripts/train_small_gpu.sh sparse) unless CKPT names a checkpoint, then run
+#   python -m twell.bench ffn --shapes real --checkpoint CKPT --tokens DATA --impl IMPLS
+# and put the JSON and the markdown table under $OUT (the training files under $OUT/train).
+#
+# Environment (all optional):
+#   CKPT      checkpoint directory to benchmark (default: the one this script trains)
+#   LAYERS    decoder layers of the retrain (default 4: layers with few and with tens of active neurons)
+#   BUDGET_S  seconds of the retrain, start to checkpoint (default 360)
+#   DATA      prepared data directory whose val split feeds the model (default .device/data/python311_docs-bpe8192)
+#   IMPLS     implementations (default "twell-kernel twell-kernel-union")
+#   TAG       suffix of the bench files (default real)
+#   OUT       output root (default ./runs/gpu_out)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT="${OUT:-$PWD/runs/gpu_out}"
+DATA="${DATA:-.device/data/python311_docs-bpe8192}"
+mkdir -p "$OUT"
+if [[ -z "${CKPT:-}" ]]; then
+  EXTRA="--set model.num_layers=${LAYERS:-4}" BUDGET_S="${BUDGET_S:-360}" OUT="$OUT/train" DATA="$DATA" \
+    bash scripts/train_small_gpu.sh sparse
+  CKPT=$(ls -dt /tmp/twell_small.*/small/final | head -1)
+fi
+echo "benchmarking $CKPT on $DATA"
+python3 -m twell.bench ffn --shapes real --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-union} \
+  --out "$OUT" --tag "${TAG:-real}" --quiet
