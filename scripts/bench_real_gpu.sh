@@ -9,7 +9,7 @@
 #   LAYERS    decoder layers of the retrain (default 4: layers with few and with tens of active neurons)
 #   BUDGET_S  seconds of the retrain, start to checkpoint (default 360)
 #   DATA      prepared data directory whose val split feeds the model (default .device/data/python311_docs-bpe8192)
-#   IMPLS     implementations (default "twell-kernel twell-kernel-union")
+#   IMPLS     implementations (default "twell-kernel twell-kernel-ops twell-kernel-union")
 #   TAG       suffix of the bench files (default real)
 #   OUT       output root (default ./runs/gpu_out)
 set -euo pipefail
@@ -20,10 +20,12 @@ OUT="${OUT:-$PWD/runs/gpu_out}"
 DATA="${DATA:-.device/data/python311_docs-bpe8192}"
 mkdir -p "$OUT"
 if [[ -z "${CKPT:-}" ]]; then
+  BEFORE=$(ls -d /tmp/twell_small.* 2>/dev/null || true)  # so that an earlier run's checkpoint is not taken
   EXTRA="--set model.num_layers=${LAYERS:-4}" BUDGET_S="${BUDGET_S:-360}" OUT="$OUT/train" DATA="$DATA" \
     bash scripts/train_small_gpu.sh sparse
-  CKPT=$(ls -dt /tmp/twell_small.*/small/final | head -1)
+  CKPT=$(comm -13 <(echo "$BEFORE" | sort) <(ls -d /tmp/twell_small.* | sort) | head -1)/small/final
+  [[ -f "$CKPT/config.json" ]] || { echo "no checkpoint at $CKPT" >&2; exit 1; }
 fi
 echo "benchmarking $CKPT on $DATA"
-python3 -m twell.bench ffn --shapes real --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-union} \
+python3 -m twell.bench ffn --shapes real --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-ops twell-kernel-union} \
   --out "$OUT" --tag "${TAG:-real}" --quiet

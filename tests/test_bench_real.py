@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from twell.bench.activity import union_reuse
 from twell.bench.captured import capture_ffn_inputs, read_tokens
 from twell.bench.ffn import BenchConfig, BenchRunner, build_cases, dense_ffn, markdown_report
 from twell.data import DataConfig, prepare_data
@@ -26,11 +27,11 @@ def prepared(tmp_path_factory):
                         out_dir=tmp_path_factory.mktemp("prep") / "p", progress=False)
 
 
-def _checkpoint(path, vocab, hidden=64, inter=160, layers=3, seed=0):
+def _checkpoint(path, vocab, hidden=64, inter=160, layers=3, seed=0, tokenizer_choice=None):
     torch.manual_seed(seed)
     mc = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
                      num_heads=2, num_kv_heads=2, max_position_embeddings=128)
-    save_pretrained(build_model(mc), None, path, dtype=torch.bfloat16)
+    save_pretrained(build_model(mc), None, path, dtype=torch.bfloat16, tokenizer_choice=tokenizer_choice)
     return path
 
 
@@ -75,15 +76,17 @@ def test_bench_real_cases_on_cpu(checkpoint, prepared):
     for r, cap in zip(cases, runner.captured.layers):
         c = r["case"]
         assert (c["kind"], c["M"], c["D"], c["H"], c["layer"]) == ("real", 130, 64, 160, cap.layer)
-        active = (torch.relu(cap.x @ cap.w_gate.t()) != 0).sum(1).float()
-        assert r["sparsity"]["mean_active"] == pytest.approx(active.mean().item())
-        assert r["sparsity"]["union_reuse_64"] >= 1.0 and r["bias"] is None
+        per_row = (torch.relu(cap.x @ cap.w_gate.t()) != 0).sum(1).float()
+        assert r["sparsity"]["mean_active"] == pytest.approx(per_row.mean().item())
+        active = torch.relu(cap.x @ cap.w_gate.t()) != 0
+        assert r["sparsity"]["union_reuse_64"] == pytest.approx(union_reuse(active, (64,))[64]) and r["bias"] is None
         v = r["impls"]["twell-reference"]
         assert v["ok"] and v["rel_err"] < 1e-2 and v["speedup"] > 0
     assert result["real_inputs"]["layers"] == [0, 1, 2] and not result["failures"]
     md = markdown_report(result)
     assert "| real layer1 | 130 | 64 x 160 | captured |" in md
     assert "Real cases: the inputs of SparseFFN layers [0, 1, 2] (of 3)" in md
+    assert "pairs per distinct neuron in blocks of 64 consecutive rows" in md
     json.dumps(result)  # the JSON the CLI writes
 
 
@@ -116,6 +119,27 @@ def test_bench_all_adds_real_cases_after_generator_cases(checkpoint, prepared):
         assert all(c.kind != "real" for c in build_cases(only, runner.capture()))
 
 
+def test_checkpoint_without_real_shapes_is_not_run(checkpoint, prepared, monkeypatch):
+    import twell.bench.ffn as ffn
+
+    monkeypatch.setattr(ffn, "capture_ffn_inputs", lambda *a, **k: pytest.fail("captured without real cases"))
+    cfg = BenchConfig(device="cpu", shapes="odd", cases=("nnz8",), checkpoint=str(checkpoint), tokens=str(prepared.dir),
+                      energy=False, memory=False, reps=2, warmup=1)
+    result = BenchRunner(cfg, progress=False).run()
+    assert [r["case"]["kind"] for r in result["cases"]] == ["odd"] and "real_inputs" not in result
+    assert "Real cases" not in markdown_report(result)
+
+
+def test_tokens_of_another_tokenizer_are_refused(prepared, tmp_path):
+    other = {**prepared.tokenizer_choice, "name": "another-bpe"}
+    ck = _checkpoint(tmp_path / "other", prepared.vocab_size, layers=1, tokenizer_choice=other)
+    with pytest.raises(ValueError, match="another tokenizer than"):
+        capture_ffn_inputs(ck, prepared.dir, 32, progress=False)
+    same = _checkpoint(tmp_path / "same", prepared.vocab_size, layers=1, tokenizer_choice=prepared.tokenizer_choice)
+    cap = capture_ffn_inputs(same, prepared.dir, 32, progress=False)
+    assert cap.source["tokenizer"] == prepared.tokenizer_choice
+
+
 def test_bench_real_errors(checkpoint, prepared, tmp_path):
     with pytest.raises(ValueError, match="need both a checkpoint and tokens"):
         BenchRunner(BenchConfig(device="cpu", checkpoint=str(checkpoint)), progress=False)
@@ -134,6 +158,9 @@ def test_bench_real_errors(checkpoint, prepared, tmp_path):
     np.save(tmp_path / "ok.npy", np.arange(64, dtype=np.int32) % 50)
     cap = capture_ffn_inputs(checkpoint, tmp_path / "ok.npy", 64, progress=False)
     assert cap.source["tokens"].endswith("ok.npy") and len(cap.layers) == 3
+    np.save(tmp_path / "neg.npy", np.arange(64, dtype=np.int64) - 1)
+    with pytest.raises(ValueError, match="negative token id -1"):
+        capture_ffn_inputs(checkpoint, tmp_path / "neg.npy", 64, progress=False)
     with pytest.raises(ValueError, match="seq must be in"):
         capture_ffn_inputs(checkpoint, tmp_path / "ok.npy", 64, seq=129, progress=False)
 
@@ -154,12 +181,19 @@ def test_bench_real_cases_run_the_kernels(tmp_path, prepared):
     ok, why = kernels.available()
     if not ok:
         pytest.skip(why)
+    # A random model's gates are ~50% active, past the union path's 128 entries per row; the generator
+    # case at nnz 64 over H = 1408 gives blocks the rule takes, so the union path runs too.
     ck = _checkpoint(tmp_path / "model", prepared.vocab_size, hidden=512, inter=1408, layers=2, seed=1)
-    cfg = BenchConfig(device="cuda", shapes="real", checkpoint=str(ck), tokens=str(prepared.dir), real_M=1000,
-                      real_seq=100, impls=("twell-kernel", "twell-kernel-union"), energy=False, reps=3)
+    cfg = BenchConfig(device="cuda", shapes="inference", cases=("nnz64",), Ms=(4096,), D=512, H=1408, odd_M=333,
+                      odd_H=1000, checkpoint=str(ck), tokens=str(prepared.dir), real_M=1000, real_seq=100,
+                      impls=("twell-kernel", "twell-kernel-ops", "twell-kernel-union"), energy=False, reps=3)
     result = BenchRunner(cfg, progress=False).run()
     assert not result["failures"] and not result["unavailable"]
+    assert [r["name"] for r in result["cases"]] == ["inference M=4096 nnz64", "odd M=333 nnz64",
+                                                   "real M=1000 layer0", "real M=1000 layer1"]
     for r in result["cases"]:
-        for name in ("twell-kernel", "twell-kernel-union"):
+        for name in ("twell-kernel", "twell-kernel-ops", "twell-kernel-union"):
             v = r["impls"][name]
             assert v["ok"] and v["rel_err"] < 1e-2 and v["nonfinite"] == 0, (r["name"], name, v)
+    info = result["cases"][0]["impls"]["twell-kernel-union"]["info"]
+    assert info["blocks"] == 64 and 0 < info["union_blocks"] <= 64, info

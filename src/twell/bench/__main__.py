@@ -27,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--odd-M", type=int, help="token count of the odd shape")
     f.add_argument("--odd-H", type=int, help="intermediate size of the odd shape")
     f.add_argument("--train-M", type=int, help="token count of the training shape")
-    f.add_argument("--impl", nargs="+", help="inference implementations: twell-kernel, twell-kernel-union "
-                                             "(with the fitted block-union rule), twell-reference (default: "
+    f.add_argument("--impl", nargs="+", help="inference implementations: twell-kernel (one op), twell-kernel-ops "
+                                             "(gate then fused op, as SparseFFN runs them), twell-kernel-union "
+                                             "(those with the fitted block-union rule), twell-reference (default: "
                                              "twell-kernel on CUDA, twell-reference on CPU)")
     f.add_argument("--train-impl", nargs="+", default=[], help="training implementations besides dense")
     f.add_argument("--reps", type=int, default=30)
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner = BenchRunner(cfg, progress=not args.quiet)
         runner.capture()  # a bad checkpoint or token file fails here, before any measurement
+        if args.checkpoint and runner.captured is None:
+            print(f"WARNING: --shapes {args.shapes} takes no real case: --checkpoint is not used", file=sys.stderr)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None
     for name, why in runner.unavailable.items():

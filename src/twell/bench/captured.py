@@ -40,9 +40,13 @@ class CapturedInputs:
     source: dict
 
 
+TOKENIZER_KEYS = ("kind", "name", "vocab_size", "trained_on")  # what says two tokenizers are the same
+
+
 def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.ndarray, dict]:
     """The first ``count`` tokens of a prepared data directory's split (twell.data.prepare) or of a
-    ``.npy`` file of token ids, as int64, with a description of where they came from."""
+    ``.npy`` file of token ids, as int64, with a description of where they came from (for a prepared
+    directory, ``tokenizer``: the tokenizer it was made with)."""
     from twell.data.prepare import PreparedData, is_prepared_dir
 
     path = Path(tokens).expanduser()
@@ -50,7 +54,8 @@ def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         data = PreparedData.load(path)
-        ids, where = data.tokens(split), {"tokens": str(path), "split": split, "label": data.label}
+        ids, where = data.tokens(split), {"tokens": str(path), "split": split, "label": data.label,
+                                          "tokenizer": data.tokenizer_choice}
     elif path.suffix == ".npy" and path.is_file():
         ids, where = np.load(path, mmap_mode="r"), {"tokens": str(path)}
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
@@ -60,8 +65,11 @@ def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.
                                 f"twell.data.prepare) or a .npy file of token ids, got {str(tokens)!r}")
     if len(ids) < count:
         raise ValueError(f"{path}: {len(ids)} tokens{' in the ' + split + ' split' if 'split' in where else ''}, "
-                         f"need {count} (lower the token count)")
-    return np.asarray(ids[:count], dtype=np.int64), where
+                         f"need {count} (whole sequences: lower the token count or the sequence length)")
+    out = np.asarray(ids[:count], dtype=np.int64)
+    if count and int(out.min()) < 0:
+        raise ValueError(f"{path}: negative token id {int(out.min())}")
+    return out, where
 
 
 def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int, seq: int | None = None, *,
@@ -91,8 +99,7 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     bad = [i for i in keep if not 0 <= i < len(ffns)]
     if bad or len(set(keep)) != len(keep):
         raise ValueError(f"layers must be distinct indices in [0, {len(ffns)}), got {list(layers)}")
-    unfit = [i for i in keep if not ffns[i].gated or ffns[i].activation != "relu"
-             or any(m.bias is not None for m in (ffns[i].gate_proj, ffns[i].up_proj, ffns[i].down_proj))]
+    unfit = [i for i in keep if not ffns[i].gated or ffns[i].activation != "relu" or ffns[i].has_bias()]
     if unfit:
         raise ValueError(f"{checkpoint}: layers {unfit} are not bias-free ReLU-gated FFNs; the benchmark "
                          "times relu(x Wg^T) * (x Wu^T) Wd^T only")
@@ -106,6 +113,13 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     if int(ids.max()) >= vocab:
         raise ValueError(f"token id {int(ids.max())} of {tokens} is outside the model's vocabulary ({vocab}): "
                          "the tokens were made with another tokenizer")
+    # Ids that fit the vocabulary can still come from another tokenizer, which would give activations
+    # of nonsense text: compare what the checkpoint and the data directory record.
+    ours, theirs = getattr(model.config, "twell_tokenizer", None) or {}, where.get("tokenizer") or {}
+    differ = {k: (ours[k], theirs[k]) for k in TOKENIZER_KEYS if k in ours and k in theirs and ours[k] != theirs[k]}
+    if differ:
+        raise ValueError(f"{tokens} was tokenised with another tokenizer than {checkpoint} was trained with "
+                         f"(checkpoint vs data: {differ})")
     ids = torch.from_numpy(ids).view(n_seq, seq)
 
     chunks: dict[int, list[torch.Tensor]] = {i: [] for i in keep}
@@ -127,7 +141,8 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     try:
         with torch.no_grad():
             for s in range(0, n_seq, batch):
-                model(ids[s:s + batch].to(device))
+                # The decoder alone: the hooks have what they need, and no vocabulary-wide logits are made.
+                model.model(input_ids=ids[s:s + batch].to(device), use_cache=False)
                 if bar is not None:
                     bar.update(min(batch, n_seq - s))
     finally:
@@ -141,7 +156,6 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
         w = [t.detach().to("cpu", torch.bfloat16).contiguous()
              for t in (f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight)]
         out.append(CapturedLayer(i, torch.cat(chunks.pop(i))[:n_tokens].contiguous(), *w))
-    del model
     source = {"checkpoint": str(checkpoint), **where, "n_tokens": n_tokens, "seq": seq,
               "layers": keep, "n_ffn_layers": len(ffns)}
     return CapturedInputs(out, source)

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from twell.bench.activity import union_reuse
+from twell.bench.activity import UNION_BLOCK, union_reuse
 from twell.bench.captured import CapturedInputs, capture_ffn_inputs
 from twell.bench.energy import EnergyMeter, EnergyUnavailable
 from twell.bench.generator import FFNInputs, calibrated_ffn_inputs, gate_activation, sparsity_stats
@@ -50,7 +50,6 @@ SPARSITY: dict[str, tuple[float, float]] = {
 L1_COEF = 2e-5
 SHAPES = ("inference", "odd", "train", "real", "all")
 REAL_SHAPES = ("inference", "real", "all")  # the ones that include the checkpoint's layers
-UNION_BLOCK = 64  # rows per block of the fused kernel's block-union path (csrc/twell_union.cu)
 CPU_NOTE = ("CPU run: timings use time.perf_counter at tiny shapes to exercise the harness; they are "
             "NOT the benchmark protocol (CUDA events on an H100, shapes of BENCHMARK.md).")
 
@@ -279,9 +278,10 @@ class BenchRunner:
         return fns
 
     def capture(self) -> CapturedInputs | None:
-        """The checkpoint's FFN inputs (captured once, on the bench device), or None without a checkpoint."""
+        """The checkpoint's FFN inputs (captured once, on the bench device), or None when the config has
+        no checkpoint or its shapes take no real case."""
         cfg = self.cfg
-        if cfg.checkpoint is not None and self.captured is None:
+        if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES and self.captured is None:
             self.captured = capture_ffn_inputs(cfg.checkpoint, cfg.tokens, cfg.real_M, cfg.real_seq,
                                                layers=cfg.real_layers, split=cfg.tokens_split, device=self.device,
                                                progress=self.progress)
@@ -338,6 +338,12 @@ class BenchRunner:
                 res["rel_err_vs_fp32"] = rel_error(out, ref32)
             res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
             del out
+            describe = getattr(fn, "describe", None)  # what the implementation decided on these inputs
+            if describe is not None:
+                try:
+                    res["info"] = describe(x, wg, wu, wdt)
+                except Exception as exc:  # a diagnostic only: say why, keep the measurement
+                    res["info"] = {"error": _short(exc)}
             calls[name] = call
         if cfg.fp32_check:
             del ref32
@@ -431,7 +437,7 @@ class BenchRunner:
         so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
         """
         started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        cases = build_cases(self.cfg, self.capture() if self.cfg.shapes in REAL_SHAPES else None)
+        cases = build_cases(self.cfg, self.capture())
         records = []
         bar = None
         if self.progress:
@@ -592,20 +598,25 @@ def markdown_report(result: dict) -> str:
 
 
 def _real_lines(result: dict, infer: list[dict]) -> list[str]:
-    """The paragraph under the inference table that says where the real cases' inputs came from."""
+    """Paragraphs under the inference table: where the real cases' inputs came from, how much the
+    block-union path can save on each case, and how many blocks it took."""
+    lines = []
     src = result.get("real_inputs")
-    if not src:
-        return []
-    split = f" ({src['split']} split)" if "split" in src else ""
-    text = (f"Real cases: the inputs of SparseFFN layers {src['layers']} (of {src['n_ffn_layers']}) of "
-            f"`{src['checkpoint']}` on the first {src['n_tokens']} tokens of `{src['tokens']}`{split}, "
-            f"sequences of {src['seq']} in order, captured with dense FFNs (twell.bench.captured).")
-    reuse = [f"{r['case']['kind']} {r['case']['sparsity']} (M {r['case']['M']}): {r['sparsity']['union_reuse_64']:.2f}"
+    if src and any(r["case"]["kind"] == "real" for r in infer):
+        split = f" ({src['split']} split)" if "split" in src else ""
+        lines += [f"Real cases: the inputs of SparseFFN layers {src['layers']} (of {src['n_ffn_layers']}) of "
+                  f"`{src['checkpoint']}` on the first {src['n_tokens']} tokens of `{src['tokens']}`{split}, "
+                  f"sequences of {src['seq']} in order, captured with dense FFNs (twell.bench.captured).", ""]
+    reuse = [f"{r['name']}: {r['sparsity']['union_reuse_64']:.2f}"
              for r in infer if r["sparsity"].get("union_reuse_64") is not None]
     if reuse:
-        text += (f" Active (row, neuron) pairs per distinct neuron in blocks of {UNION_BLOCK} consecutive rows, "
-                 "what the block-union path can save: " + "; ".join(reuse) + ".")
-    return [text, ""]
+        lines += [f"Active (row, neuron) pairs per distinct neuron in blocks of {UNION_BLOCK} consecutive rows "
+                  "(what the block-union path can save; 1 = nothing): " + "; ".join(reuse) + ".", ""]
+    took = [f"{r['name']} ({n}): {v['info']['union_blocks']} of {v['info']['blocks']} blocks"
+            for r in infer for n, v in r["impls"].items() if "union_blocks" in v.get("info", {})]
+    if took:
+        lines += ["Blocks that took the block-union path: " + "; ".join(took) + ".", ""]
+    return lines
 
 
 def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:

@@ -58,27 +58,49 @@ class Registry:
 
 
 def _twell_kernel() -> Callable:
+    return _kernels().sparse_gated_ffn  # internal TwELL: tile 256, compression 16 (SPARSE_FFN_COMPRESSION)
+
+
+def _kernels():
     from twell import kernels
 
     ok, why = kernels.available()
     if not ok:
         raise ImplUnavailable(f"twell.kernels not available: {why}")
-    return kernels.sparse_gated_ffn  # internal TwELL: tile 256, compression 16 (SPARSE_FFN_COMPRESSION)
+    return kernels
+
+
+def _twell_kernel_ops() -> Callable:
+    kernels = _kernels()
+
+    def fn(x, w_gate, w_up, w_down_t):
+        # The two ops a SparseFFN layer runs (compression 8), per-row kernel only: the like-for-like
+        # baseline of "twell-kernel-union".
+        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=(0.0, 0.0))
+
+    return fn
 
 
 def _twell_kernel_union() -> Callable:
-    from twell import kernels
+    from twell.bench.activity import UNION_BLOCK
     from twell.reference.ffn import UNION_RULE
 
-    ok, why = kernels.available()
-    if not ok:
-        raise ImplUnavailable(f"twell.kernels not available: {why}")
+    kernels = _kernels()
 
     def fn(x, w_gate, w_up, w_down_t):
-        # What a SparseFFN layer runs once choose_union_paths gave it the rule: two ops (gate, then the
-        # fused kernel with the block-union path for the 64-row blocks the rule picks, per-row elsewhere).
+        # What a SparseFFN layer runs once choose_union_paths gave it the rule: "twell-kernel-ops" with the
+        # block-union path for the 64-row blocks the rule picks. Against "twell-kernel" (one op at
+        # compression 16 whose fused kernel overlaps the gate's last wave) the two ops also give up about
+        # 0.3-2% (csrc/NOTES.md: v13, session 18).
         return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=UNION_RULE)
 
+    def describe(x, w_gate, w_up, w_down_t) -> dict:
+        """How many 64-row blocks the rule sent to the block-union path on these inputs."""
+        plan = kernels.union_plan(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, *UNION_RULE)
+        return {"union_rule": list(UNION_RULE), "union_blocks": plan["union_blocks"],
+                "blocks": -(-x.shape[0] // UNION_BLOCK), "per_row_rows": plan["per_row_rows"]}
+
+    fn.describe = describe
     return fn
 
 
@@ -89,10 +111,13 @@ def _twell_reference() -> Callable:
 
 
 def default_registry() -> Registry:
-    """A fresh registry with "twell-kernel" (CUDA, sm_90a), "twell-kernel-union" (the same kernels with
-    the fitted block-union rule, twell.reference.ffn.UNION_RULE) and "twell-reference" (pure PyTorch)."""
+    """A fresh registry with "twell-kernel" (CUDA, sm_90a: the one-op sparse FFN), "twell-kernel-ops" (its
+    gate and fused ops called one after the other, as a SparseFFN layer does), "twell-kernel-union" (those
+    ops with the fitted block-union rule, twell.reference.ffn.UNION_RULE) and "twell-reference" (pure
+    PyTorch)."""
     reg = Registry()
     reg.register("twell-kernel", _twell_kernel)
+    reg.register("twell-kernel-ops", _twell_kernel_ops)
     reg.register("twell-kernel-union", _twell_kernel_union)
     reg.register("twell-reference", _twell_reference)
     return reg

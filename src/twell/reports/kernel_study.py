@@ -295,8 +295,8 @@ def _impl_name(result: dict, impl: str | None) -> str | None:
 
 
 def speedup_table(run: BenchRun, impl: str | None = None) -> pd.DataFrame:
-    """One row per inference/odd case of the result: measured nnz, times, speedup, error, ceiling,
-    issue 3's bar and the published kernels' speedup (both defined at M = 65536 only), whether the
+    """One row per inference, odd and real (checkpoint layer) case of the result: measured nnz,
+    times, speedup, error, ceiling, issue 3's bar and the published kernels' speedup (both defined at M = 65536 only), whether the
     bar is met (speedup >= bar and correct), and where/when it was measured."""
     result = run.result
     name = _impl_name(result, impl)
@@ -379,18 +379,16 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun) -> Figure:
                 if not math.isnan(r["speedup"]):
                     ax.annotate(f"{r['case']}: {r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(7, 4),
                                 textcoords="offset points", fontsize=8, color=col)
-            wrong = grp[grp["correct"] != "yes"]
-            ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
-            continue
-        light, heavy = grp[grp["case"] != HEAVY_CASE], grp[grp["case"] == HEAVY_CASE]
-        label = f"this work, M = {M}" + (f" (odd shape, H = {int(grp['H'].iloc[0])})" if shape == "odd" else "")
-        ax.plot(light["nnz mean"], light["speedup"], "o-", color=col, ms=8, lw=1.5, label=label)
-        ax.plot(heavy["nnz mean"], heavy["speedup"], "*", color=col, ms=17, mec="black", mew=0.8, ls="none")
-        for _, r in grp.iterrows():
-            if not math.isnan(r["speedup"]):
-                left = r["case"] == HEAVY_CASE  # heavy tail shares x with nnz 29: label on the other side
-                ax.annotate(f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(-10 if left else 7, -3),
-                            textcoords="offset points", fontsize=8, color=col, ha="right" if left else "left")
+        else:
+            light, heavy = grp[grp["case"] != HEAVY_CASE], grp[grp["case"] == HEAVY_CASE]
+            label = f"this work, M = {M}" + (f" (odd shape, H = {int(grp['H'].iloc[0])})" if shape == "odd" else "")
+            ax.plot(light["nnz mean"], light["speedup"], "o-", color=col, ms=8, lw=1.5, label=label)
+            ax.plot(heavy["nnz mean"], heavy["speedup"], "*", color=col, ms=17, mec="black", mew=0.8, ls="none")
+            for _, r in grp.iterrows():
+                if not math.isnan(r["speedup"]):
+                    left = r["case"] == HEAVY_CASE  # heavy tail shares x with nnz 29: label on the other side
+                    ax.annotate(f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(-10 if left else 7, -3),
+                                textcoords="offset points", fontsize=8, color=col, ha="right" if left else "left")
         wrong = grp[grp["correct"] != "yes"]
         ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
     ceiling = float(table["ceiling"].median())
