@@ -501,7 +501,8 @@ def test_choose_union_paths_per_layer():
     report = choose_union_paths(model, x)
     assert [r["layer"] for r in report] == [0, 1] and all(r["tokens"] == M for r in report)
     assert model.a.union == UNION_RULE and report[0]["share"] >= 0.5, report
-    assert model.b.union == (0.0, 0.0) and report[1]["share"] < 0.5, report
+    assert report[0]["union_ms"] < report[0]["per_row_ms"], report  # timed, and the rule won
+    assert model.b.union == (0.0, 0.0) and report[1]["share"] < 0.5 and report[1]["union_ms"] is None, report
     for f, r, w in ((model.a, report[0], wg1), (model.b, report[1], wg2)):
         gate = kernels.twell_gate(x, w)
         plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), *UNION_RULE)
@@ -511,6 +512,30 @@ def test_choose_union_paths_per_layer():
     ref = (kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg1), wu1, wd1.t().contiguous(), union=UNION_RULE)
            + kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg2), wu2, wd2.t().contiguous(), union=(0, 0)))
     assert torch.equal(out, ref)
+
+
+def test_choose_union_paths_keeps_per_row_where_the_rule_times_slower(monkeypatch):
+    """A layer whose blocks qualify keeps the per-row kernel when its fused op is not at least min_gain
+    faster with the rule (timings replaced here, so the decision is what is tested); timed=False goes by
+    the share alone."""
+    from twell.model import choose_union_paths, union_paths
+    from twell.reference.ffn import UNION_RULE
+
+    x, wg, wu, wd = inputs(2048, 1024, 2048, nnz=40, dead=0.95, seed=4)
+    f = module_with(wg, wu, wd)
+    f.path = "kernel"
+    calls = []
+    monkeypatch.setattr(union_paths, "fused_times", lambda *a: calls.append(a) or (1.0, 1.5))
+    report = choose_union_paths(f, x)
+    assert len(calls) == 1 and report[0]["share"] >= 0.5 and f.union == (0.0, 0.0), report
+    assert (report[0]["per_row_ms"], report[0]["union_ms"]) == (1.0, 1.5) and "1.500 ms with the rule" in report[0]["why"]
+    monkeypatch.setattr(union_paths, "fused_times", lambda *a: (1.5, 1.0))
+    assert choose_union_paths(f, x)[0]["union"] == UNION_RULE and f.union == UNION_RULE
+    monkeypatch.setattr(union_paths, "fused_times", lambda *a: (1.0, 0.99))  # a near tie stays per-row
+    assert "needs 2% less" in choose_union_paths(f, x)[0]["why"] and f.union == (0.0, 0.0)
+    assert choose_union_paths(f, x, min_gain=0.0)[0]["union"] == UNION_RULE
+    report = choose_union_paths(f, x, timed=False)
+    assert f.union == UNION_RULE and report[0]["per_row_ms"] is None
 
 
 def test_union_path_shape_limits():

@@ -232,6 +232,10 @@ def test_choose_union_paths_errors(monkeypatch):
     model, ids = build_model(mc).eval(), _ids(mc)
     with pytest.raises(ValueError, match="min_share"):
         choose_union_paths(model, ids, min_share=1.5)
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        choose_union_paths(model, ids, reps=0)
+    with pytest.raises(ValueError, match="min_gain"):
+        choose_union_paths(model, ids, min_gain=1.0)
     with pytest.raises(ValueError, match="union"):
         choose_union_paths(model, ids, rule=(0.5, -1))
     monkeypatch.setattr(kernels, "available", lambda build=True: (False, "no CUDA device"))

@@ -3,7 +3,10 @@
 The block-union path (csrc/twell_union.cu) pays on layers whose tokens share many active neurons
 and loses on the others: its plan costs ~0.1 ms per call at 65536 tokens even where no block
 qualifies (csrc/NOTES.md, session 19). So rather than one process-wide setting, each SparseFFN gets
-its own ``union``: the fitted rule where most blocks of a calibration batch qualify, off elsewhere.
+its own ``union``: the fitted rule where most blocks of a calibration batch qualify and, by default,
+the fused kernel is faster with it on that batch; off elsewhere. The timing is there because the
+share alone misroutes some layers (a trained layer with 12 active per token: 79% of blocks qualify,
+3% slower; csrc/NOTES.md, session 26).
 """
 from __future__ import annotations
 
@@ -17,15 +20,20 @@ from twell.reference.ffn import UNION_RULE, check_union_rule
 
 
 def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] = UNION_RULE,
-                       min_share: float = 0.5, **kwargs: Any) -> list[dict]:
+                       min_share: float = 0.5, timed: bool = True, reps: int = 10, min_gain: float = 0.02,
+                       **kwargs: Any) -> list[dict]:
     """Run ``model(*args, **kwargs)`` once without gradients, and give every SparseFFN layer
     ``union = rule`` when at least ``min_share`` of its 64-token blocks would take the union path on the
-    inputs it saw, else ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*).
+    inputs it saw and (with ``timed``) its fused kernel runs at least ``min_gain`` faster with the rule
+    than without on those inputs (median of ``reps`` alternating calls); else ``union = (0, 0)``
+    (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a calibration timing
+    moves by 1-2%: a near tie gains nothing and the union path holds more memory.
 
     Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, biased, or a
     shape outside ``kernels.union_unsupported``: D a multiple of 512 up to 2048, H up to 8192) get
     ``(0, 0)``, with the reason in ``why``. Returns one dict per layer: ``layer``, ``tokens``,
-    ``active_per_token``, ``blocks``, ``union_blocks``, ``share``, ``union`` and ``why``.
+    ``active_per_token``, ``blocks``, ``union_blocks``, ``share``, ``per_row_ms`` and ``union_ms``
+    (None where not timed), ``union`` and ``why``.
     Feed batches like the ones you will serve: the share depends on how consecutive tokens share
     neurons, so sequences should be in order.
     """
@@ -36,6 +44,10 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
         raise ValueError("rule must be (ratio, base)")
     if not 0.0 <= min_share <= 1.0:
         raise ValueError(f"min_share must be in [0, 1], got {min_share}")
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if not 0.0 <= min_gain < 1.0:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
     ffns = sparse_ffns(model)
     if not ffns:
         raise ValueError("the model has no SparseFFN layers; build it with twell.model.build_model or load_pretrained")
@@ -58,7 +70,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
         x = torch.cat(seen[i]).to(torch.bfloat16).contiguous()
         seen[i] = []
         row = {"layer": i, "tokens": x.shape[0], "active_per_token": None, "blocks": -(-x.shape[0] // 64),
-               "union_blocks": 0, "share": 0.0, "union": (0.0, 0.0), "why": ""}
+               "union_blocks": 0, "share": 0.0, "per_row_ms": None, "union_ms": None, "union": (0.0, 0.0), "why": ""}
         reason = _unsupported(f, x)
         if reason is None:
             gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)
@@ -66,15 +78,34 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
             share = plan["union_blocks"] / row["blocks"]
             row.update(active_per_token=float(gate.nnz_per_row().float().mean()), union_blocks=plan["union_blocks"],
                        share=share)
-            if share >= min_share:
+            reason = f"{share:.0%} of blocks qualify ({'>=' if share >= min_share else '<'} {min_share:.0%})"
+            if share >= min_share and timed:
+                per_row, union = fused_times(f, x, gate, rule, reps)
+                row.update(per_row_ms=per_row, union_ms=union)
+                reason += f"; fused kernel {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
+                if union <= per_row * (1.0 - min_gain):
+                    row["union"] = rule
+                else:
+                    reason += f" (needs {min_gain:.0%} less)"
+            elif share >= min_share:
                 row["union"] = rule
-                reason = f"{share:.0%} of blocks qualify (>= {min_share:.0%})"
-            else:
-                reason = f"{share:.0%} of blocks qualify (< {min_share:.0%})"
         f.union = row["union"]
         row["why"] = reason
         report.append(row)
     return report
+
+
+def fused_times(f, x: torch.Tensor, gate, rule: tuple[float, float], reps: int) -> tuple[float, float]:
+    """Median ms of the layer's fused op on (x, gate): per-row kernel only, then with ``rule``
+    (alternating calls, L2 flushed before each, as the benchmark times them)."""
+    from twell import kernels
+    from twell.bench.timing import time_alternating
+
+    wu, wdt = f.up_proj.weight, f.w_down_t()
+    t = time_alternating({"per_row": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=(0.0, 0.0)),
+                          "union": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=rule)},
+                         x.device, reps=reps, warmup=2)
+    return t["per_row"].median_ms, t["union"].median_ms
 
 
 def _unsupported(f, x: torch.Tensor) -> Optional[str]:
