@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 BLOCKS = (16, 64, 128, 256, 512, 1024)
-UNION_BLOCK = 64  # rows per block of the fused kernel's block-union path (csrc/twell_union.cu)
 
 
 def union_reuse(active: torch.Tensor, blocks: Iterable[int] = BLOCKS) -> dict[int, float]:

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from twell.bench.activity import UNION_BLOCK, union_reuse
+from twell.bench.activity import union_reuse
 from twell.bench.captured import CapturedInputs, capture_ffn_inputs
 from twell.bench.energy import EnergyMeter, EnergyUnavailable
 from twell.bench.generator import FFNInputs, calibrated_ffn_inputs, gate_activation, sparsity_stats
@@ -39,6 +39,7 @@ from twell.bench.memory import peak_memory_above_baseline
 from twell.bench.registry import ImplUnavailable, Registry, default_registry
 from twell.bench.timing import time_alternating
 from twell.reference import dense_gated_ffn
+from twell.reference.ffn import UNION_BLOCK
 
 # Target mean active neurons per row and tail of BENCHMARK.md (29 = the paper's 1.5B average).
 SPARSITY: dict[str, tuple[float, float]] = {
@@ -564,7 +565,7 @@ def markdown_report(result: dict) -> str:
         for r in infer:
             lines += _rows(r, tol, with_gate=True)
         lines.append("")
-        lines += _real_lines(result, infer)
+        lines += _inference_notes(result, infer)
     if train:
         lines += ["## Training FFN (forward + backward, L1 term included)", "",
                   "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows at C 8 "
@@ -597,7 +598,7 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _real_lines(result: dict, infer: list[dict]) -> list[str]:
+def _inference_notes(result: dict, infer: list[dict]) -> list[str]:
     """Paragraphs under the inference table: where the real cases' inputs came from, how much the
     block-union path can save on each case, and how many blocks it took."""
     lines = []

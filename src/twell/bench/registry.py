@@ -70,29 +70,28 @@ def _kernels():
     return kernels
 
 
-def _twell_kernel_ops() -> Callable:
-    kernels = _kernels()
-
+def _two_ops(kernels, union: tuple[float, float]) -> Callable:
+    """The gate op, then the fused op with ``union``, as a SparseFFN layer runs them (compression 8).
+    Against "twell-kernel" (one op at compression 16 whose fused kernel overlaps the gate's last wave)
+    the two ops give up about 0.3-2% (csrc/NOTES.md: v13, session 18)."""
     def fn(x, w_gate, w_up, w_down_t):
-        # The two ops a SparseFFN layer runs (compression 8), per-row kernel only: the like-for-like
-        # baseline of "twell-kernel-union".
-        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=(0.0, 0.0))
+        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=union)
 
     return fn
 
 
+def _twell_kernel_ops() -> Callable:
+    # Per-row kernel only: the like-for-like baseline of "twell-kernel-union".
+    return _two_ops(_kernels(), (0.0, 0.0))
+
+
 def _twell_kernel_union() -> Callable:
-    from twell.bench.activity import UNION_BLOCK
-    from twell.reference.ffn import UNION_RULE
+    from twell.reference.ffn import UNION_BLOCK, UNION_RULE
 
     kernels = _kernels()
-
-    def fn(x, w_gate, w_up, w_down_t):
-        # What a SparseFFN layer runs once choose_union_paths gave it the rule: "twell-kernel-ops" with the
-        # block-union path for the 64-row blocks the rule picks. Against "twell-kernel" (one op at
-        # compression 16 whose fused kernel overlaps the gate's last wave) the two ops also give up about
-        # 0.3-2% (csrc/NOTES.md: v13, session 18).
-        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=UNION_RULE)
+    # What a SparseFFN layer runs once choose_union_paths gave it the rule: the block-union path for
+    # the 64-row blocks the rule picks, per-row elsewhere.
+    fn = _two_ops(kernels, UNION_RULE)
 
     def describe(x, w_gate, w_up, w_down_t) -> dict:
         """How many 64-row blocks the rule sent to the block-union path on these inputs."""

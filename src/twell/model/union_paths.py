@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from twell.model.llama import sparse_ffns
-from twell.reference.ffn import UNION_RULE, check_union_rule
+from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
 def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] = UNION_RULE,
@@ -69,8 +69,9 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
             raise RuntimeError(f"layer {i}: the SparseFFN was not called by the calibration forward")
         x = torch.cat(seen[i]).to(torch.bfloat16).contiguous()
         seen[i] = []
-        row = {"layer": i, "tokens": x.shape[0], "active_per_token": None, "blocks": -(-x.shape[0] // 64),
-               "union_blocks": 0, "share": 0.0, "per_row_ms": None, "union_ms": None, "union": (0.0, 0.0), "why": ""}
+        row = {"layer": i, "tokens": x.shape[0], "active_per_token": None,
+               "blocks": -(-x.shape[0] // UNION_BLOCK), "union_blocks": 0, "share": 0.0, "per_row_ms": None,
+               "union_ms": None, "union": (0.0, 0.0), "why": ""}
         reason = _unsupported(f, x)
         if reason is None:
             gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)

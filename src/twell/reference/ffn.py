@@ -37,6 +37,7 @@ def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tens
 # It sends every generator case and every layer of a 4-layer retrain to its faster path. Used by
 # twell.model.choose_union_paths. (Session 19's fit on the old kernels was (0.43, 600).)
 UNION_RULE = (0.8, 400.0)
+UNION_BLOCK = 64  # rows per block of the block-union path (csrc/twell_union.cu: UB)
 
 
 def check_union_rule(union) -> Optional[tuple[float, float]]:

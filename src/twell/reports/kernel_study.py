@@ -296,8 +296,9 @@ def _impl_name(result: dict, impl: str | None) -> str | None:
 
 def speedup_table(run: BenchRun, impl: str | None = None) -> pd.DataFrame:
     """One row per inference, odd and real (checkpoint layer) case of the result: measured nnz,
-    times, speedup, error, ceiling, issue 3's bar and the published kernels' speedup (both defined at M = 65536 only), whether the
-    bar is met (speedup >= bar and correct), and where/when it was measured."""
+    times, speedup, error, ceiling, issue 3's bar and the published kernels' speedup (both defined
+    at M = 65536 only), whether the bar is met (speedup >= bar and correct), and where/when it was
+    measured."""
     result = run.result
     name = _impl_name(result, impl)
     rows = []
