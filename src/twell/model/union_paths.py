@@ -20,14 +20,15 @@ from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
 def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] = UNION_RULE,
-                       min_share: float = 0.5, timed: bool = True, reps: int = 10, min_gain: float = 0.02,
+                       min_share: float = 0.5, timed: bool = True, reps: int = 30, min_gain: float = 0.02,
                        **kwargs: Any) -> list[dict]:
     """Run ``model(*args, **kwargs)`` once without gradients, and give every SparseFFN layer
     ``union = rule`` when at least ``min_share`` of its 64-token blocks would take the union path on the
     inputs it saw and (with ``timed``) its fused kernel runs at least ``min_gain`` faster with the rule
-    than without on those inputs (median of ``reps`` alternating calls); else ``union = (0, 0)``
-    (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a calibration timing
-    moves by 1-2%: a near tie gains nothing and the union path holds more memory.
+    than without on those inputs (median of ``reps`` alternating calls, 30 as in the benchmark: with 10,
+    a 0.2 ms layer's ratio moved between 0.81 and 0.96 from one call to the next); else
+    ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a
+    calibration timing moves by 1-2%: a near tie gains nothing and the union path holds more memory.
 
     Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, biased, or a
     shape outside ``kernels.union_unsupported``: D a multiple of 512 up to 2048, H up to 8192) get
@@ -105,7 +106,7 @@ def fused_times(f, x: torch.Tensor, gate, rule: tuple[float, float], reps: int) 
     wu, wdt = f.up_proj.weight, f.w_down_t()
     t = time_alternating({"per_row": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=(0.0, 0.0)),
                           "union": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=rule)},
-                         x.device, reps=reps, warmup=2)
+                         x.device, reps=reps, warmup=3)
     return t["per_row"].median_ms, t["union"].median_ms
 
 
