@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real-activation rows of the FFN benchmark on one H100 within one 10-minute command: retrain `small`
 # (scripts/train_small_gpu.sh sparse) unless CKPT names a checkpoint, then run
-#   python -m twell.bench ffn --shapes real --checkpoint CKPT --tokens DATA --impl IMPLS
+#   python -m twell.bench ffn --shapes SHAPES --checkpoint CKPT --tokens DATA --impl IMPLS BENCH_ARGS
 # and put the JSON and the markdown table under $OUT (the training files under $OUT/train).
 #
 # Environment (all optional):
@@ -11,6 +11,9 @@
 #   DATA      prepared data directory whose val split feeds the model (default .device/data/python311_docs-bpe8192)
 #   IMPLS     implementations (default "twell-kernel twell-kernel-ops twell-kernel-union")
 #   TAG       suffix of the bench files (default real)
+#   SHAPES    bench shapes (default real: the checkpoint's layers only; inference adds the generator's
+#             cases and the odd shape to the same table)
+#   BENCH_ARGS  more bench arguments, e.g. "--M 65536 --energy-seconds 2"
 #   OUT       output root (default ./runs/gpu_out)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +30,5 @@ if [[ -z "${CKPT:-}" ]]; then
   [[ -f "$CKPT/config.json" ]] || { echo "no checkpoint at $CKPT" >&2; exit 1; }
 fi
 echo "benchmarking $CKPT on $DATA"
-python3 -m twell.bench ffn --shapes real --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-ops twell-kernel-union} \
-  --out "$OUT" --tag "${TAG:-real}" --quiet
+python3 -m twell.bench ffn --shapes "${SHAPES:-real}" --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-ops twell-kernel-union} \
+  --out "$OUT" --tag "${TAG:-real}" --quiet ${BENCH_ARGS:-}
