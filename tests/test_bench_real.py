@@ -105,6 +105,24 @@ def test_speedup_plot_shows_real_layers_as_points(checkpoint, prepared):
     assert len(points) == 1 and points[0].get_linestyle() == "None" and len(points[0].get_xdata()) == 3
     assert sum(t.get_text().startswith("layer") for t in ax.texts) == 3
 
+    # A second implementation (as twell-kernel-union beside twell-kernel on the GPU): its real layers
+    # become hollow diamonds at their own speedups, one of them wrong; generator rows are not drawn.
+    import copy
+
+    result = copy.deepcopy(run.result)
+    for i, r in enumerate(result["cases"]):
+        other = dict(r["impls"]["twell-reference"], speedup=0.5 + 0.25 * i, ok=i % 2 == 0)
+        r["impls"] = {"twell-reference": r["impls"]["twell-reference"], "other-impl": other}
+    two = ks.BenchRun(result, None, this_run=True)
+    assert ks.impl_names(result) == ["twell-reference", "other-impl"]
+    others = [ks.speedup_table(two, n) for n in ks.impl_names(result)[1:]]
+    fig = ks.plot_speedup(ks.speedup_table(two), two, others=others)
+    ax = fig.axes[0]
+    (hollow,) = [ln for ln in ax.get_lines() if ln.get_label() == "real inputs, other-impl, M = 64"]
+    real_rows = [i for i, r in enumerate(result["cases"]) if r["case"]["kind"] == "real"]
+    assert list(hollow.get_ydata()) == [0.5 + 0.25 * i for i in real_rows] and hollow.get_markerfacecolor() == "white"
+    assert "WRONG or failed (rel. error >= tol)" in [t.get_text() for t in ax.get_legend().get_texts()]
+
 
 def test_bench_all_adds_real_cases_after_generator_cases(checkpoint, prepared):
     cfg = BenchConfig(device="cpu", shapes="inference", cases=("nnz8",), checkpoint=str(checkpoint),

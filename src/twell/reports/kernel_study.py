@@ -8,7 +8,8 @@
   ``python -m twell.bench ffn`` (``ffn-*.json``) by its recorded timestamp; :class:`BenchRun`
   carries a result with where and when it was measured, and whether that was in this run.
 - :func:`speedup_table` and :func:`plot_speedup` turn a result into the table and figure of
-  notebook 01, with the speed bar of issue 3 and the published kernels' numbers for context.
+  notebook 01, with the speed bar of issue 3 and the published kernels' numbers for context;
+  :func:`impl_names` lists a result's implementations (the figure adds the others' real layers).
 """
 from __future__ import annotations
 
@@ -285,13 +286,23 @@ def earlier_bench(bench_json: str | Path | None = None, reports_dir: str | Path 
     return BenchRun(load_bench(path), path, this_run=False)
 
 
+def impl_names(result: dict) -> list[str]:
+    """The sparse implementations a result holds, the default one (what :func:`speedup_table` shows
+    without ``impl``: twell-kernel when present) first, the others in the order the run used them."""
+    names = list(dict.fromkeys(n for r in result["cases"] for n in r.get("impls", {})))
+    if "twell-kernel" in names:
+        names.remove("twell-kernel")
+        names.insert(0, "twell-kernel")
+    return names
+
+
 def _impl_name(result: dict, impl: str | None) -> str | None:
-    names = [n for r in result["cases"] for n in r.get("impls", {})]
+    names = impl_names(result)
     if impl is not None:
         if impl not in names:
-            raise ValueError(f"implementation {impl!r} not in the result (it has: {sorted(set(names)) or 'none'})")
+            raise ValueError(f"implementation {impl!r} not in the result (it has: {sorted(names) or 'none'})")
         return impl
-    return "twell-kernel" if "twell-kernel" in names else (names[0] if names else None)
+    return names[0] if names else None
 
 
 def speedup_table(run: BenchRun, impl: str | None = None) -> pd.DataFrame:
@@ -360,10 +371,13 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
 _M_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
 
 
-def plot_speedup(table: pd.DataFrame, run: BenchRun) -> Figure:
+def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFrame] = ()) -> Figure:
     """Speedup vs measured mean active neurons per row: one point per case and M (heavy tail as a
     star, colour = M), the gate-GEMM ceiling and 1x as lines, issue 3's bar and the published
-    kernels' speedups as markers; the title says where and when the numbers were measured."""
+    kernels' speedups as markers; the title says where and when the numbers were measured.
+    ``others``: speedup tables of the run's other implementations; their real (checkpoint layer)
+    rows are drawn as hollow diamonds, so that the block-union rule a trained model's layers may run
+    stands beside the default path (their generator rows stay in the table only)."""
     if table.empty:
         raise ValueError("expected a non-empty speedup table (see speedup_table)")
     fig = Figure(figsize=(11, 6.2), layout="constrained")
@@ -392,6 +406,17 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun) -> Figure:
                                 textcoords="offset points", fontsize=8, color=col, ha="right" if left else "left")
         wrong = grp[grp["correct"] != "yes"]
         ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
+    for other in others:
+        for M, grp in other[other["shape"] == "real"].groupby("M"):
+            col = color.get(("real", int(M)), "tab:brown")
+            ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, mfc="white", ms=8, mew=1.5, ls="none",
+                    label=f"real inputs, {grp['impl'].iloc[0]}, M = {M}")
+            for _, r in grp.iterrows():
+                if not math.isnan(r["speedup"]):
+                    ax.annotate(f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(7, -10),
+                                textcoords="offset points", fontsize=8, color=col)
+            wrong = grp[grp["correct"] != "yes"]
+            ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
     ceiling = float(table["ceiling"].median())
     lo, hi = float(table["ceiling"].min()), float(table["ceiling"].max())
     ax.axhline(ceiling, color="black", ls="--", lw=1.5)
@@ -411,7 +436,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun) -> Figure:
     handles, labels = ax.get_legend_handles_labels()
     handles.append(Line2D([], [], marker="*", color="grey", mec="black", ms=14, ls="none"))
     labels.append("heavy tail (nnz 29, tail 0.35)")
-    if (table["correct"] != "yes").any():
+    if any((t["correct"] != "yes").any() for t in (table, *(o[o["shape"] == "real"] for o in others))):
         handles.append(Line2D([], [], marker="x", color="red", ms=10, mew=2.5, ls="none"))
         labels.append("WRONG or failed (rel. error >= tol)")
     handles += [Line2D([], [], marker="_", color="crimson", ms=20, mew=3, ls="none"),
