@@ -11,8 +11,9 @@
 #   DATA      prepared data directory whose val split feeds the model (default .device/data/python311_docs-bpe8192)
 #   IMPLS     implementations (default "twell-kernel twell-kernel-ops twell-kernel-union")
 #   TAG       suffix of the bench files (default real)
-#   SHAPES    bench shapes (default real: the checkpoint's layers only; inference adds the generator's
-#             cases and the odd shape to the same table)
+#   SHAPES    bench shapes: real (default: the checkpoint's layers only), inference (adds the generator's
+#             cases and the odd shape) or all (adds the training shape too). With all, keep the run inside
+#             10 minutes: session 27 used BUDGET_S=185 and two IMPLS (454 s, build included)
 #   BENCH_ARGS  more bench arguments, e.g. "--M 65536 --energy-seconds 2"
 #   OUT       output root (default ./runs/gpu_out)
 set -euo pipefail
@@ -21,6 +22,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT="${OUT:-$PWD/runs/gpu_out}"
 DATA="${DATA:-.device/data/python311_docs-bpe8192}"
+case "${SHAPES:-real}" in
+  real|inference|all) ;;
+  *) echo "SHAPES must be real, inference or all (the odd and training shapes use no checkpoint): got '$SHAPES'" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 if [[ -z "${CKPT:-}" ]]; then
   BEFORE=$(ls -d /tmp/twell_small.* 2>/dev/null || true)  # so that an earlier run's checkpoint is not taken

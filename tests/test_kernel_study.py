@@ -182,6 +182,18 @@ def test_speedup_table_follows_the_harness_result(cpu_run):
         ks.speedup_table(cpu_run, impl="no-such-impl")
 
 
+def test_impl_names_puts_the_default_first_and_skips_training_implementations(cpu_run):
+    res = copy.deepcopy(cpu_run.result)
+    ref = res["cases"][0]["impls"]["twell-reference"]
+    res["cases"][0]["impls"] = {"twell-kernel-union": ref, "twell-reference": ref, "twell-kernel": ref}
+    res["cases"].append(copy.deepcopy(res["cases"][1]))
+    res["cases"][-1]["case"]["kind"] = "train"
+    res["cases"][-1]["impls"] = {"train-only": ref}
+    assert ks.impl_names(res) == ["twell-kernel", "twell-kernel-union", "twell-reference"]
+    with pytest.raises(ValueError, match="not in the result"):
+        ks.speedup_table(ks.BenchRun(res, None, this_run=False), impl="train-only")
+
+
 def test_meets_bar_needs_speed_and_correctness(cpu_run):
     res = copy.deepcopy(cpu_run.result)
     for rec in res["cases"]:

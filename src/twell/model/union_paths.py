@@ -10,6 +10,7 @@ share alone misroutes some layers (a trained layer with 12 active per token: 79%
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -19,16 +20,22 @@ from twell.model.llama import sparse_ffns
 from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
+MIN_TIMED_TOKENS = 16384  # below this a layer's fused op takes ~0.2 ms and its timing is noisy (session 27)
+
+
 def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] = UNION_RULE,
                        min_share: float = 0.5, timed: bool = True, reps: int = 30, min_gain: float = 0.02,
                        **kwargs: Any) -> list[dict]:
     """Run ``model(*args, **kwargs)`` once without gradients, and give every SparseFFN layer
     ``union = rule`` when at least ``min_share`` of its 64-token blocks would take the union path on the
     inputs it saw and (with ``timed``) its fused kernel runs at least ``min_gain`` faster with the rule
-    than without on those inputs (median of ``reps`` alternating calls, 30 as in the benchmark: with 10,
-    a 0.2 ms layer's ratio moved between 0.81 and 0.96 from one call to the next); else
+    than without on those inputs (median of ``reps`` alternating calls, 30 as in the benchmark); else
     ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a
-    calibration timing moves by 1-2%: a near tie gains nothing and the union path holds more memory.
+    calibration timing moves by 1-2% on layers of a millisecond or more: a near tie gains nothing and
+    the union path holds more memory. Calibrate on at least ~16k tokens: on a 4096-token layer
+    (~0.2 ms per call) the union / per-row ratio moved by up to 0.2 from one call to the next, with 10
+    or 30 reps alike; at 16384 tokens it moved by 0.01 (csrc/NOTES.md, session 27). A layer timed on
+    fewer than ``MIN_TIMED_TOKENS`` tokens gets a warning.
 
     Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, biased, or a
     shape outside ``kernels.union_unsupported``: D a multiple of 512 up to 2048, H up to 8192) get
@@ -82,6 +89,10 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
                        share=share)
             reason = f"{share:.0%} of blocks qualify ({'>=' if share >= min_share else '<'} {min_share:.0%})"
             if share >= min_share and timed:
+                if x.shape[0] < MIN_TIMED_TOKENS:
+                    warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
+                                  "the two paths is noisy (the ratio moved by up to 0.2 at 4096 tokens), so the choice "
+                                  "may flip between calls", stacklevel=2)
                 per_row, union = fused_times(f, x, gate, rule, reps)
                 row.update(per_row_ms=per_row, union_ms=union)
                 reason += f"; fused kernel {per_row:.3f} ms per-row, {union:.3f} ms with the rule"

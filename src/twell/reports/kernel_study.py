@@ -289,7 +289,8 @@ def earlier_bench(bench_json: str | Path | None = None, reports_dir: str | Path 
 def impl_names(result: dict) -> list[str]:
     """The sparse implementations a result holds, the default one (what :func:`speedup_table` shows
     without ``impl``: twell-kernel when present) first, the others in the order the run used them."""
-    names = list(dict.fromkeys(n for r in result["cases"] for n in r.get("impls", {})))
+    names = list(dict.fromkeys(n for r in result["cases"] if r["case"]["kind"] != "train"
+                               for n in r.get("impls", {})))  # training implementations have no speedup row
     if "twell-kernel" in names:
         names.remove("twell-kernel")
         names.insert(0, "twell-kernel")
@@ -445,7 +446,9 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     labels += ["speed bar (issue 3), nnz 8/29/64 at M = 65536", "speed bar, heavy tail (at nnz 29)",
                "published kernels (KERNEL_NOTES.md), M = 65536"]
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-    ymax = max(ceiling, hi, max(SPEED_BAR.values()), float(table["speedup"].max(skipna=True) or 0)) * 1.12
+    top = [float(v) for v in (table["speedup"].max(), *(o.loc[o["shape"] == "real", "speedup"].max() for o in others))
+           if not math.isnan(float(v))]  # NaN where nothing was measured
+    ymax = max(ceiling, hi, max(SPEED_BAR.values()), *top) * 1.12
     ax.set_xlim(0, xmax)
     ax.set_ylim(0, ymax)
     ax.set_xlabel("measured mean active neurons per row (of H)")
