@@ -22,7 +22,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUT="${OUT:-$PWD/runs/gpu_out}"
 DATA="${DATA:-.device/data/python311_docs-bpe8192}"
-case "${SHAPES:-real}" in
+SHAPES="${SHAPES:-real}"
+case "$SHAPES" in
   real|inference|all) ;;
   *) echo "SHAPES must be real, inference or all (the odd and training shapes use no checkpoint): got '$SHAPES'" >&2; exit 2 ;;
 esac
@@ -35,5 +36,5 @@ if [[ -z "${CKPT:-}" ]]; then
   [[ -f "$CKPT/config.json" ]] || { echo "no checkpoint at $CKPT" >&2; exit 1; }
 fi
 echo "benchmarking $CKPT on $DATA"
-python3 -m twell.bench ffn --shapes "${SHAPES:-real}" --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-ops twell-kernel-union} \
+python3 -m twell.bench ffn --shapes "$SHAPES" --checkpoint "$CKPT" --tokens "$DATA" --impl ${IMPLS:-twell-kernel twell-kernel-ops twell-kernel-union} \
   --out "$OUT" --tag "${TAG:-real}" --quiet ${BENCH_ARGS:-}

@@ -372,6 +372,18 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
 _M_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
 
 
+def _plot_real(ax, grp: pd.DataFrame, col: str, label: str, hollow: bool = False) -> None:
+    """A checkpoint's layers as diamonds, each with its speedup: filled for the implementation in the
+    title (labelled with the layer), hollow for another implementation (below the filled label)."""
+    style = {"mfc": "white", "mew": 1.5} if hollow else {"mec": "black", "mew": 0.8}
+    ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, ms=8, ls="none", label=label, **style)
+    for _, r in grp.iterrows():
+        if not math.isnan(r["speedup"]):
+            text = f"{r['speedup']:.2f}x" if hollow else f"{r['case']}: {r['speedup']:.2f}x"
+            ax.annotate(text, (r["nnz mean"], r["speedup"]), xytext=(7, -10) if hollow else (7, 4),
+                        textcoords="offset points", fontsize=8, color=col)
+
+
 def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFrame] = ()) -> Figure:
     """Speedup vs measured mean active neurons per row: one point per case and M (heavy tail as a
     star, colour = M), the gate-GEMM ceiling and 1x as lines, issue 3's bar and the published
@@ -389,12 +401,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
         grp = grp.sort_values("nnz mean")
         col = color[(shape, int(M))]
         if shape == "real":  # layers of a checkpoint: separate points, not a curve over nnz
-            ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, ms=8, mec="black", mew=0.8, ls="none",
-                    label=f"real inputs (checkpoint layers), M = {M}")
-            for _, r in grp.iterrows():
-                if not math.isnan(r["speedup"]):
-                    ax.annotate(f"{r['case']}: {r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(7, 4),
-                                textcoords="offset points", fontsize=8, color=col)
+            _plot_real(ax, grp, col, f"real inputs (checkpoint layers), M = {M}")
         else:
             light, heavy = grp[grp["case"] != HEAVY_CASE], grp[grp["case"] == HEAVY_CASE]
             label = f"this work, M = {M}" + (f" (odd shape, H = {int(grp['H'].iloc[0])})" if shape == "odd" else "")
@@ -407,15 +414,11 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
                                 textcoords="offset points", fontsize=8, color=col, ha="right" if left else "left")
         wrong = grp[grp["correct"] != "yes"]
         ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
-    for other in others:
-        for M, grp in other[other["shape"] == "real"].groupby("M"):
+    others_real = [o[o["shape"] == "real"] for o in others]  # only their real layers are drawn
+    for real in others_real:
+        for M, grp in real.groupby("M"):
             col = color.get(("real", int(M)), "tab:brown")
-            ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, mfc="white", ms=8, mew=1.5, ls="none",
-                    label=f"real inputs, {grp['impl'].iloc[0]}, M = {M}")
-            for _, r in grp.iterrows():
-                if not math.isnan(r["speedup"]):
-                    ax.annotate(f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(7, -10),
-                                textcoords="offset points", fontsize=8, color=col)
+            _plot_real(ax, grp, col, f"real inputs, {grp['impl'].iloc[0]}, M = {M}", hollow=True)
             wrong = grp[grp["correct"] != "yes"]
             ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
     ceiling = float(table["ceiling"].median())
@@ -437,7 +440,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     handles, labels = ax.get_legend_handles_labels()
     handles.append(Line2D([], [], marker="*", color="grey", mec="black", ms=14, ls="none"))
     labels.append("heavy tail (nnz 29, tail 0.35)")
-    if any((t["correct"] != "yes").any() for t in (table, *(o[o["shape"] == "real"] for o in others))):
+    if any((t["correct"] != "yes").any() for t in (table, *others_real)):
         handles.append(Line2D([], [], marker="x", color="red", ms=10, mew=2.5, ls="none"))
         labels.append("WRONG or failed (rel. error >= tol)")
     handles += [Line2D([], [], marker="_", color="crimson", ms=20, mew=3, ls="none"),
@@ -446,7 +449,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     labels += ["speed bar (issue 3), nnz 8/29/64 at M = 65536", "speed bar, heavy tail (at nnz 29)",
                "published kernels (KERNEL_NOTES.md), M = 65536"]
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
-    top = [float(v) for v in (table["speedup"].max(), *(o.loc[o["shape"] == "real", "speedup"].max() for o in others))
+    top = [float(v) for v in (table["speedup"].max(), *(r["speedup"].max() for r in others_real))
            if not math.isnan(float(v))]  # NaN where nothing was measured
     ymax = max(ceiling, hi, max(SPEED_BAR.values()), *top) * 1.12
     ax.set_xlim(0, xmax)
