@@ -180,3 +180,30 @@ def test_spilled_tiles_are_decoded_exactly():
     bad[0, 0, 0] = torch.tensor(0x80000000 | 99).to(torch.int32)
     with pytest.raises(ValueError, match="spill"):
         TwELL(bad.view(3, 64).view(torch.uint32), None, None, 300, spill=spill).validate()
+
+
+def test_twell_refuses_packed_words_of_the_wrong_geometry():
+    """A hand-built TwELL whose words do not match its tiling fails at construction, by name."""
+    good = pack_twell(torch.relu(torch.randn(8, 300)).to(torch.bfloat16))
+    assert good.packed.shape == (8, 64)  # 2 tiles of 256 at C = 8: 32 slots each
+    with pytest.raises(ValueError, match=r"packed: expected uint32 \[M, 64\]"):
+        TwELL(good.packed[:, :10].contiguous(), None, None, 300)
+    with pytest.raises(TypeError, match="packed: expected uint32"):
+        TwELL(good.packed.view(torch.int32), None, None, 300)
+    with pytest.raises(ValueError, match="n_cols"):
+        TwELL(good.packed, None, None, 0)
+    with pytest.raises(ValueError, match="multiple of the compression"):
+        TwELL(good.packed, None, None, 300, tile=256, compression=7)
+
+
+def test_twell_built_while_tracing_with_a_symbolic_width():
+    """Export / dynamic shapes give H as a SymInt: the geometry check must not reject it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def build(w, packed):
+        return TwELL(packed, None, None, w.shape[0]).packed.view(torch.int32) * 1
+
+    w = torch.zeros(300, 64)
+    packed = pack_twell(torch.relu(torch.randn(8, 300)).to(torch.bfloat16)).packed
+    graph = make_fx(build, tracing_mode="symbolic")(w, packed)
+    assert torch.equal(graph(w, packed), packed.view(torch.int32))

@@ -267,8 +267,9 @@ def test_overflow_dense_and_zero_rows_are_exact(fused_path):
     gate.validate()
     # Overflowing tile rows are spilled (stored exactly), so no row needs a dense backup.
     assert gate.n_spilled_tiles >= 3 * 22 and gate.n_overflow_rows == 0
-    assert torch.equal(gate.unpack(), F.relu(F.linear(x, wg))) or \
-        ((gate.unpack().float() - F.relu(F.linear(x, wg)).float()).abs().max() < 0.05)
+    # The gate kernel sums in another order than cuBLAS: values agree to bf16 rounding, and no entry
+    # above rounding size is dropped or invented.
+    torch.testing.assert_close(gate.unpack().float(), F.relu(F.linear(x, wg)).float(), rtol=1 / 128, atol=1e-2)
     assert gate.nnz_per_row()[[1, 2, 776]].eq(0).all()
     wdt = wd.t().contiguous()
     ptr = poison_allocator((M, D), torch.bfloat16)
@@ -807,7 +808,7 @@ def test_torch_compile_and_cuda_graphs(monkeypatch):
     x, wg, wu, wd = inputs(1024, 2048, 5632, nnz=29, tail=0.35, dense_rows=[7])
     wdt = wd.t().contiguous()
     eager = kernels.sparse_gated_ffn(x, wg, wu, wdt)
-    compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=False)
+    compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=True)  # no eager fallback
     torch.testing.assert_close(compiled(x, wg, wu, wdt), eager)
     static_x = x.clone()
     kernels.sparse_gated_ffn(static_x, wg, wu, wdt)  # warm-up outside capture (build, attributes)
@@ -828,6 +829,47 @@ def test_torch_compile_and_cuda_graphs(monkeypatch):
     is_heavy = kernels.twell_gate(x2, wg).nnz_per_row().gt(128).cpu()
     for rows in (is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()):
         check_rows(static_out, rows, x2, wg, wu, wd)
+
+
+def test_ops_pass_torch_library_opcheck():
+    """Schema, fake (meta) implementations and AOT dispatch of the three custom ops."""
+    from twell.kernels import ops
+
+    x, wg, wu, wd = inputs(300, 512, 1024, nnz=29, tail=0.35, dense_rows=[3])
+    wdt = wd.t().contiguous()
+    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION))
+    packed, spill = ops._gate_op(x, wg, 256, 8)
+    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, -1.0, -1.0))
+    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, *reference.ffn.UNION_RULE))
+    # The gate op leaves unused slots and the spill area's tail unwritten (zeroing them would cost a
+    # pass over memory), so two calls need not agree word for word: the AOT-dispatch check, which
+    # compares eager and compiled outputs, does not apply to it.
+    torch.library.opcheck(ops._gate_op, (x, wg, 256, 8),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_module_auto_takes_the_reference_where_the_kernels_cannot_and_says_why():
+    from twell.nn import SparseFFN
+
+    for D, why in ((4096, "D <= 2048"), (96, "multiple of 64")):
+        ffn = SparseFFN(D, 512).to(device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(70, D, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = ffn(x)
+            assert ffn.last_path == "twell-reference" and why in ffn.auto_note, ffn.auto_note
+            ffn.path = "dense"
+            dense = ffn(x)
+        assert rel(out, dense.double()) < 1e-2
+        ffn.path = "kernel"
+        with torch.no_grad(), pytest.raises(ValueError, match=why):
+            ffn(x)
+
+
+def test_kernel_twell_ffn_refuses_an_output_width_it_cannot_write():
+    x, wg, wu, wd = inputs(64, 512, 1024, nnz=8)
+    act = kernels.twell_gate(x, wu)
+    with pytest.raises(ValueError, match="as wide as its input"):
+        kernels.twell_ffn(act, torch.zeros(1024, 256, device="cuda", dtype=torch.bfloat16))
 
 
 def test_module_uses_kernels_on_gpu():

@@ -198,3 +198,89 @@ def test_module_from_llama_mlp_shares_weights():
         torch.testing.assert_close(ffn._dense(x), mlp(x))
     with pytest.raises(TypeError, match="Llama MLP"):
         SparseFFN.from_llama_mlp(torch.nn.Linear(3, 3))
+
+
+def test_module_from_llama_mlp_keeps_the_mlps_activation():
+    """A stock SiLU Llama MLP must not silently become a ReLU FFN."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    for act in ("silu", "relu"):
+        mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=64, intermediate_size=200, hidden_act=act))
+        mlp = mlp.to(torch.bfloat16)
+        ffn = SparseFFN.from_llama_mlp(mlp)
+        assert ffn.activation == act
+        with torch.no_grad():
+            out, want = ffn(x), mlp(x)
+        assert ffn.last_path == ("twell-reference" if act == "relu" else "dense")
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with pytest.warns(UserWarning, match="act_fn is relu, the SparseFFN will compute silu"):
+        SparseFFN.from_llama_mlp(mlp, activation="silu")
+    gelu = LlamaMLP(transformers.LlamaConfig(hidden_size=64, intermediate_size=200, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="pass activation="):
+        SparseFFN.from_llama_mlp(gelu)
+    assert SparseFFN.from_llama_mlp(gelu, activation="relu").activation == "relu"
+    # Equal to relu on small values only: the probe's large values tell them apart.
+    relu6 = LlamaMLP(transformers.LlamaConfig(hidden_size=64, intermediate_size=200, hidden_act="relu6"))
+    with pytest.raises(ValueError, match="cannot tell the activation"):
+        SparseFFN.from_llama_mlp(relu6)
+
+
+@pytest.mark.parametrize("act,want", [
+    (torch.nn.ReLU(inplace=True), "relu"), (torch.nn.SiLU(inplace=True), "silu"), (torch.relu, "relu"),
+    (lambda t: torch.nn.functional.silu(t.to(torch.bfloat16)), "silu"), (torch.nn.ReLU6(), None),
+    (lambda t: t.clamp(0, 5), None), (torch.nn.Hardtanh(0, 10), None), (torch.tanh, None), ("relu", None),
+    (lambda a, b: a, None)])
+def test_activation_name_probe(act, want):
+    from twell.nn.ffn import _activation_name
+
+    assert _activation_name(act) == want
+
+
+def test_module_auto_goes_dense_where_no_sparse_path_fits_and_tiling_fails_early():
+    wide = SparseFFN(64, 70000).to(torch.bfloat16)  # H past TwELL's 16-bit column index
+    with torch.no_grad():
+        wide(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert wide.last_path == "dense" and "65536" in wide.auto_note
+    with pytest.raises(ValueError, match="multiple of the compression"):
+        SparseFFN(64, 256, compression=7)
+
+
+def test_module_auto_says_why_it_left_the_sparse_paths():
+    bf = torch.bfloat16
+    ffn = SparseFFN(64, 256)
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        ffn(x)  # fp32 module and input: no sparse path computes in fp32
+        assert ffn.last_path == "dense" and "bfloat16" in ffn.auto_note
+        ffn.to(bf)
+        out = ffn(x.to(bf))
+        assert ffn.last_path == "twell-reference" and "input on cpu" in ffn.auto_note
+        assert ffn.last_gate is None  # kept only on request (a TwELL per layer is large)
+        ffn.keep_gate = True
+        ffn(x.to(bf))
+        assert ffn.last_gate is not None and ffn.last_gate.n_rows == 9
+        ffn.path = "dense"
+        torch.testing.assert_close(out.float(), ffn(x.to(bf)).float(), rtol=2e-2, atol=2e-2)
+        ffn.path = "auto"
+        with pytest.raises(ValueError, match="hidden_size=64"):
+            ffn(torch.randn(9, 32, dtype=bf))
+    biased = SparseFFN(64, 256, bias=True).to(bf)
+    with torch.no_grad():
+        biased(x.to(bf))
+    assert biased.last_path == "dense" and "bias" in biased.auto_note
+    silu = SparseFFN(64, 256, activation="silu").to(bf)
+    with torch.no_grad():
+        silu(x.to(bf))
+    assert silu.last_path == "dense" and "relu" in silu.auto_note
+
+
+def test_reference_gate_errors_name_the_caller_s_tensors():
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="x has D=32 columns but w_gate"):
+        twell_gate(torch.randn(4, 32, dtype=bf), torch.randn(256, 64, dtype=bf))
+    with pytest.raises(ValueError, match="H=0 .w_gate's rows"):
+        twell_gate(torch.randn(4, 64, dtype=bf), torch.randn(0, 64, dtype=bf))
+    with pytest.raises(TypeError, match="x: expected bfloat16"):
+        hybrid_gated_ffn(torch.randn(4, 64), *(torch.randn(256, 64, dtype=bf) for _ in range(3)))

@@ -23,6 +23,7 @@ def main(ckpt, val_bin, batch=16, seq=1024):
     ids = torch.from_numpy(np.asarray(toks[:n], dtype=np.int64)).view(batch, seq + 1).cuda()
     inp, tgt = ids[:, :-1], ids[:, 1:]
     ffns = [m for m in model.modules() if isinstance(m, SparseFFN)]
+    ffns[-1].keep_gate = True  # its TwELL is read below (overflow rows)
     out = {"checkpoint": ckpt, "tokens": batch * seq, "layers": len(ffns)}
     logits = {}
     with torch.no_grad():

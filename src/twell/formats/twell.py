@@ -72,6 +72,16 @@ class TwELL:
 
     SPILL_BIT = 0x80000000
 
+    def __post_init__(self) -> None:
+        # A hand-built TwELL of the wrong geometry would otherwise fail deep inside a view or a kernel.
+        slots = check_tiling(self.tile, self.compression)
+        if isinstance(self.n_cols, torch.SymInt):  # traced with a symbolic H (export, dynamic shapes)
+            return
+        if isinstance(self.n_cols, bool) or not isinstance(self.n_cols, int) or not 1 <= self.n_cols <= MAX_COLUMNS:
+            raise ValueError(f"TwELL n_cols must be an int in [1, {MAX_COLUMNS}], got {self.n_cols!r}")
+        width = -(-self.n_cols // self.tile) * slots
+        check_tensor("packed", self.packed, dtype=torch.uint32, shape=("M", width))
+
     def _raw_counts(self) -> torch.Tensor:
         """int64 [M, n_tiles]: the count words as unsigned values."""
         return self.words()[..., 0].to(torch.int64) & 0xFFFFFFFF

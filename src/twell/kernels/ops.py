@@ -3,7 +3,8 @@
 Three custom ops carry the work (fake implementations registered, so ``torch.compile`` and CUDA
 graphs can trace them without running them):
 
-- ``twell::gate(x, w_gate, tile, compression) -> packed`` : TwELL words from the gate GEMM epilogue
+- ``twell::gate(x, w_gate, tile, compression) -> (packed, spill)`` : TwELL words from the gate GEMM
+  epilogue, and its spill area (entries of tile rows that overflowed their slots)
 - ``twell::ffn(x, packed, spill?, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
   fused up/down (a negative union_ratio / union_base: the TWELL_UNION_* setting)
 - ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression) -> out`` : both in one call, the
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from twell.formats import TwELL, check_tensor
+from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import MAX_COLUMNS
 from twell.kernels.build import load
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
@@ -82,8 +83,27 @@ def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) 
     _kernel_checks(x)
     if tile not in (64, 128, 256):
         raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
-    if w_gate.shape[0] > MAX_COLUMNS:
-        raise ValueError(f"TwELL needs H <= 65536 (16-bit index), got H={w_gate.shape[0]}")
+    if not 1 <= w_gate.shape[0] <= MAX_COLUMNS:
+        raise ValueError(f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={w_gate.shape[0]} "
+                         "(w_gate's rows)")
+
+
+def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = 8) -> str:
+    """Why the kernels cannot run a layer of width D with H hidden units at this tiling (the limits
+    the ops check), or ``""`` when they can. Builds nothing."""
+    try:
+        check_tiling(tile, compression)
+    except ValueError as exc:
+        return str(exc)
+    if D % 64:
+        return f"the TwELL kernels need D to be a multiple of 64, got D={D}"
+    if D > 2048:
+        return f"the fused TwELL kernel supports D <= 2048 for now, got D={D}"
+    if not 1 <= H <= MAX_COLUMNS:
+        return f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={H}"
+    if tile not in (64, 128, 256):
+        return f"the gate kernel supports tile widths 64, 128 and 256, got {tile}"
+    return ""
 
 
 def _fused_kernel_checks(x: Tensor) -> None:
@@ -136,6 +156,9 @@ def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
                  contiguous=True)
     if act.source is not None:
         x = act.source[0]
+        if w_down_t.shape[1] != x.shape[1]:
+            raise ValueError(f"the kernel's non-gated FFN writes rows as wide as its input: w_down_t must be "
+                             f"[H, {x.shape[1]}] (D of the x the TwELL was made from), got {list(w_down_t.shape)}")
     else:  # no x needed by the kernel in this case; pass a correctly shaped placeholder
         x = torch.empty(act.n_rows, w_down_t.shape[1], dtype=torch.bfloat16, device=act.device)
     return _ffn(x, act, None, w_down_t)

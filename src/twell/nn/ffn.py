@@ -13,19 +13,25 @@ and chooses *how* through one interface:
   ``track`` is on, must set ``module.stats`` like the dense path does).
 - Without autograd (inference), ``path`` decides: ``"dense"`` (plain PyTorch), ``"reference"``
   (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
-  ``"auto"`` (kernels when available, else the reference, recorded in ``last_path``). Sparse paths
-  need ``activation="relu"``. On its first kernel call, ``"auto"`` also measures the layer's activity
-  (one host sync, once): a layer with more than ``auto_max_active`` of its neurons active per token
-  runs dense from then on, and ``auto_note`` says why (the kernels stay exact on such a layer but
-  get slower than dense: spill area full, tiles recomputed; measured 19x slower on a 23%-active model).
+  ``"auto"``: the kernels when they can run the layer on this input; else the reference (CPU input,
+  kernels unavailable, a shape the kernels do not take such as D > 2048); else dense (bias, dtypes
+  other than bfloat16: no sparse path takes them). ``last_path`` records what ran and ``auto_note``
+  why auto left the kernels. Sparse paths need ``activation="relu"``. On its first kernel call,
+  ``"auto"`` also measures the layer's activity (one host sync, once): a layer with more than
+  ``auto_max_active`` of its neurons active per token runs dense from then on, and ``auto_note`` says
+  why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
+  recomputed; measured 19x slower on a 23%-active model).
 
 ``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
-``"twell-reference"`` or ``"twell-kernel"``. With ``track=True`` the forward also records
+``"twell-reference"`` or ``"twell-kernel"``. ``keep_gate=True`` keeps the last sparse forward's TwELL
+in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL and spill area hold
+~200 MB). With ``track=True`` the forward also records
 ``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker; ``track_l1=False`` keeps
 ``stats.l1`` out of the autograd graph (for runs whose L1 coefficient is 0).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,10 +39,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twell.formats import check_tiling
+from twell.formats.twell import MAX_COLUMNS
 from twell.reference.ffn import check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
+
+
+def _activation_name(act) -> Optional[str]:
+    """'relu' / 'silu' when ``act`` (a module or function, e.g. transformers' ACT2FN entries, whose
+    classes vary between versions) computes it, else None. Known types answer directly; anything
+    else is applied to a copy of a probe whose large values tell relu from relu6 or clamps."""
+    if isinstance(act, nn.ReLU) or act in (F.relu, torch.relu):
+        return "relu"
+    if isinstance(act, nn.SiLU) or act is F.silu:
+        return "silu"
+    if not callable(act):
+        return None
+    probe = torch.cat([torch.linspace(-4.0, 4.0, 33, device="cpu"),  # explicit: models are built
+                       torch.tensor([-1e4, -1e3, -10.0, 10.0, 1e3, 1e4], device="cpu")])  # under a meta device
+    try:
+        with torch.no_grad():
+            got = act(probe.clone())  # clone: an in-place activation would change the probe
+            if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+                return None
+            for name, fn in ACTIVATIONS.items():
+                if torch.allclose(got.float(), fn(probe), rtol=1e-2, atol=1e-3):  # bf16-computed ones too
+                    return name
+    except Exception:  # not an elementwise activation of one tensor, or one that cannot run here
+        return None
+    return None
 
 
 @dataclass
@@ -76,6 +109,7 @@ class SparseFFN(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        check_tiling(tile, compression)  # a bad tiling fails here, not on the first sparse forward
         self.tile = tile
         self.compression = compression
         # Block-union rule of this layer's fused kernel, (ratio, base), or None for the process-wide
@@ -88,13 +122,15 @@ class SparseFFN(nn.Module):
         self.track_l1 = True
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
-        self.last_gate = None  # the TwELL of the last sparse forward (inspect lazily: no host sync)
+        self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
+        self.last_gate = None  # that TwELL (inspect lazily: no host sync)
         # "auto" leaves the kernels for dense above this active fraction: the v2 kernel FFN broke even
         # with dense cuBLAS near 50 of 5632 neurons per token (0.9%) at M = 65536 on an H100; the v5
         # kernels are 1.06x at 64 (1.1%), so the threshold is conservative (csrc/NOTES.md).
         self.auto_max_active = 0.01
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
+        self._activity_note: Optional[str] = None
         self._w_down_t: Optional[torch.Tensor] = None
         self._w_down_t_version: Optional[tuple] = None
 
@@ -123,14 +159,31 @@ class SparseFFN(nn.Module):
     def reset_auto(self) -> None:
         """Forget the activity that ``"auto"`` measured (e.g. after loading other weights)."""
         self._auto_dense = None
-        self.auto_note = None
+        self.auto_note = self._activity_note = None
 
     @classmethod
-    def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: str = "relu") -> "SparseFFN":
-        """Wrap a transformers ``LlamaMLP`` (shares its Linear modules, no copy)."""
+    def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: Optional[str] = None) -> "SparseFFN":
+        """Wrap a transformers ``LlamaMLP`` (shares its Linear modules, no copy).
+
+        ``activation=None`` takes the MLP's own ``act_fn`` (ReLU or SiLU; anything else is an error),
+        so the wrapped module computes what the MLP computed. An explicit activation overrides it, with
+        a warning when it differs from ``act_fn``: pass ``activation="relu"`` for a checkpoint trained
+        with ReLU whose config names SiLU (the paper's ``sparsity_*`` configs do; ``load_pretrained``
+        handles those itself).
+        """
         for name in ("gate_proj", "up_proj", "down_proj"):
             if not isinstance(getattr(mlp, name, None), nn.Linear):
                 raise TypeError(f"expected a Llama MLP with nn.Linear {name}, got {type(mlp).__name__}")
+        own = _activation_name(getattr(mlp, "act_fn", None))
+        if activation is None:
+            if own is None:
+                raise ValueError(f"cannot tell the activation of {type(mlp).__name__} (act_fn="
+                                 f"{getattr(mlp, 'act_fn', None)!r}); SparseFFN runs {sorted(ACTIVATIONS)}: "
+                                 "pass activation= to choose one")
+            activation = own
+        elif own is not None and own != activation:
+            warnings.warn(f"from_llama_mlp: the MLP's act_fn is {own}, the SparseFFN will compute {activation}: "
+                          "its outputs differ from the MLP's", stacklevel=2)
         ffn = cls(mlp.up_proj.in_features, mlp.up_proj.out_features, activation=activation,
                   bias=mlp.up_proj.bias is not None, path="dense")
         ffn.gate_proj, ffn.up_proj, ffn.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
@@ -142,6 +195,29 @@ class SparseFFN(nn.Module):
                 f"activation={self.activation}, path={self.path}" + (f", union={self.union}" if self.union else ""))
 
     # -- forward ---------------------------------------------------------------------------------
+    def _no_sparse(self, x: torch.Tensor) -> str:
+        """Why no sparse path (reference or kernels) can run this layer on x; '' when one can."""
+        if self.has_bias():
+            return self.BIAS_ERROR
+        if not 1 <= self.intermediate_size <= MAX_COLUMNS:
+            return f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), this layer has H={self.intermediate_size}"
+        ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
+        if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in ws):
+            return (f"the sparse paths compute in bfloat16; x is {x.dtype}, the weights "
+                    f"{sorted({str(w.dtype) for w in ws})}")
+        return ""
+
+    def _no_kernel(self, x: torch.Tensor) -> str:
+        """Why the kernels cannot run this layer on x (after :meth:`_no_sparse`); '' when they can."""
+        if not x.is_cuda:
+            return f"input on {x.device}"
+        from twell import kernels
+
+        ok, why = kernels.available()
+        if not ok:
+            return f"kernels unavailable: {why}"
+        return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             if self.train_backend is not None:
@@ -151,28 +227,38 @@ class SparseFFN(nn.Module):
         path = self.path
         if path == "dense" or self.activation != "relu" or self.track:
             # Tracking needs the dense hidden state for its statistics.
+            if path == "auto" and self.activation != "relu":
+                self.auto_note = f"auto: dense (activation {self.activation}: the sparse paths need relu)"
             return self._dense(x)
         if path == "auto":
-            from twell import kernels
-
+            self._check_width(x)
+            why = self._no_sparse(x)
+            if why:
+                self.auto_note = f"auto: dense ({why})"
+                return self._dense(x)
             # available() is cached per process; a failed build makes "auto" use the reference
-            ok, _ = kernels.available() if x.is_cuda else (False, "input on CPU")
-            if not ok:
+            why = self._no_kernel(x)
+            if why:
+                self.auto_note = f"auto: TwELL reference ({why})"
                 return self._sparse(x, use_kernel=False)
+            self.auto_note = self._activity_note
             if self._auto_dense:
                 return self._dense(x)
-            out = self._sparse(x, use_kernel=True)
-            if self._auto_dense is None:
-                self._measure_activity(self.last_gate)
-            return out
+            return self._sparse(x, use_kernel=True, measure=self._auto_dense is None)
         return self._sparse(x, use_kernel=(path == "kernel"))
 
     def _measure_activity(self, gate) -> None:
         active = gate.nnz_per_row().float().mean().item() / self.intermediate_size
         self._auto_dense = active > self.auto_max_active
         if self._auto_dense:
-            self.auto_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
-                              f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on")
+            self._activity_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
+                                   f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on")
+        self.auto_note = self._activity_note
+
+    def _check_width(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x has {x.shape[-1]} features in its last dimension; this layer takes "
+                             f"hidden_size={self.hidden_size}")
 
     def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-activation that decides sparsity, hidden activation h) for input x, dense."""
@@ -206,21 +292,25 @@ class SparseFFN(nn.Module):
             self._w_down_t_version = key
         return self._w_down_t
 
-    BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none)"
+    BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none unless mlp_bias=True)"
 
     def has_bias(self) -> bool:
         """Whether any projection carries a bias (the sparse paths take none: BIAS_ERROR)."""
         return any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def _sparse(self, x: torch.Tensor, *, use_kernel: bool) -> torch.Tensor:
+    def _sparse(self, x: torch.Tensor, *, use_kernel: bool, measure: bool = False) -> torch.Tensor:
         if self.has_bias():
             raise ValueError(self.BIAS_ERROR)
+        self._check_width(x)
         if use_kernel:
             from twell import kernels as impl
 
             ok, why = impl.available()
             if not ok:
                 raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
+            why = impl.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
+            if why:
+                raise ValueError(f"path='kernel' cannot run this layer: {why} (path='auto' takes the reference)")
             self.last_path = "twell-kernel"
         else:
             from twell import reference as impl
@@ -237,5 +327,7 @@ class SparseFFN(nn.Module):
             act = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_ffn(act, self.w_down_t())
             gate = act
-        self.last_gate = gate
+        if measure:
+            self._measure_activity(gate)
+        self.last_gate = gate if self.keep_gate else None
         return out.reshape(*shape[:-1], out.shape[-1])

@@ -14,13 +14,20 @@ import torch
 import torch.nn.functional as F
 
 from twell.formats import TwELL, check_tensor, check_tiling, pack_twell
+from twell.formats.twell import MAX_COLUMNS
 from twell.reference.coo import coo_sddmm, coo_spmm
 
 
 def check_gate_args(x: torch.Tensor, w_gate: torch.Tensor, tile: int, compression: int) -> None:
     check_tiling(tile, compression)
     check_tensor("x", x, dtype=torch.bfloat16, shape=("M", "D"), contiguous=True)
+    if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 2 and w_gate.shape[1] != x.shape[1]:
+        raise ValueError(f"x has D={x.shape[1]} columns but w_gate is {list(w_gate.shape)} ([H, D]): "
+                         "the widths must agree")
     check_tensor("w_gate", w_gate, dtype=torch.bfloat16, shape=("H", x.shape[1]), device=x.device, contiguous=True)
+    if not 1 <= w_gate.shape[0] <= MAX_COLUMNS:
+        raise ValueError(f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={w_gate.shape[0]} "
+                         "(w_gate's rows)")
 
 
 def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tensor]) -> None:

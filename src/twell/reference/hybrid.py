@@ -117,7 +117,7 @@ def hybrid_gated_ffn(x, w_gate, w_up, w_down_t, width: int = 128, capacity: int 
     Differentiable in x and all weights; the hidden pattern is relu(x @ w_gate.T) != 0. Raises
     HybridCapacityError when more than ``capacity`` rows have over ``width`` nonzeros.
     """
-    check_tensor("x", x, shape=("M", "D"))
+    check_tensor("x", x, dtype=torch.bfloat16, shape=("M", "D"))
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=x.dtype, shape=("H", x.shape[1]), device=x.device)
     return _HybridGatedFFN.apply(x, w_gate, w_up, w_down_t, width, capacity)
