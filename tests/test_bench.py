@@ -94,7 +94,7 @@ def test_sparsity_stats_known_pattern():
 from twell.bench import ffn as bench_ffn  # noqa: E402
 from twell.bench.__main__ import main as bench_main  # noqa: E402
 from twell.bench.registry import ImplUnavailable, Registry, default_registry  # noqa: E402
-from twell.bench.timing import Timing, time_alternating  # noqa: E402
+from twell.bench.timing import Timing, run_for, time_alternating  # noqa: E402
 
 
 def _tiny_cfg(tmp_path, **kw):
@@ -288,6 +288,40 @@ def test_time_alternating_cpu_order_and_stats():
     assert res["a"].min_ms <= res["a"].median_ms <= res["a"].max_ms
     with pytest.raises(ValueError):
         time_alternating(fns, "cpu", reps=0)
+
+
+def test_run_for_counts_every_call_it_makes():
+    """The energy meter divides the joules read around run_for by its count: the estimating call
+    must be in it."""
+    made = []
+    calls, seconds = run_for(lambda: made.append(1), "cpu", 0.02)
+    assert calls == len(made) >= 2 and seconds >= 0.02
+
+
+def test_protocol_deviations_and_report_banner(tmp_path):
+    full = dict(reps=30, warmup=3, flush_l2=True, energy=True, energy_seconds=2.0, memory=True)
+    assert bench_ffn.protocol_deviations(full) == []
+    assert bench_ffn.protocol_deviations({**full, "energy": False, "memory": False}) == [
+        "energy not measured", "peak memory not measured"]
+    got = bench_ffn.protocol_deviations({**full, "reps": 10, "flush_l2": False, "energy_seconds": 0.5})
+    assert len(got) == 3 and "10 reps" in got[0] and "L2" in got[1] and "0.5 s" in got[2]
+    cfg = _tiny_cfg(tmp_path, impls=("masked",), cases=("nnz8",))
+    result = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False).run()
+    assert result["meta"]["protocol_deviations"] == ["median of 3 reps (protocol: at least 30)",
+                                                     "energy not measured"]
+    assert isinstance(result["meta"]["twell_env"], dict)
+    result["meta"]["device"] = "cuda:0"  # the banner is for GPU runs (CPU runs carry their own note)
+    assert "BELOW THE BENCHMARK.md PROTOCOL: median of 3 reps" in bench_ffn.markdown_report(result)
+
+
+def test_harness_fails_an_output_that_missed_the_poison(tmp_path, monkeypatch):
+    """An output outside the poisoned blocks could hold a stale right answer: not counted as correct."""
+    monkeypatch.setattr(bench_ffn.Poison, "hit", lambda self, out: False)
+    cfg = _tiny_cfg(tmp_path, impls=("masked",), cases=("nnz8",))
+    result = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False).run()
+    res = result["cases"][0]["impls"]["masked"]
+    assert res["rel_err"] < 1e-2 and not res["ok"] and "poisoned" in res["error"]
+    assert bench_ffn.exit_code(result) != 0
 
 
 def test_rel_error():

@@ -125,6 +125,11 @@ def test_find_bench_json_picks_newest_gpu_result_by_timestamp(tmp_path):
     (b / "parts-newest.json").write_text(json.dumps(_result("2028-01-01T00:00:00+00:00")))
     # A run of a checkpoint's layers alone has no generator case to show against the bars.
     (b / "ffn-real-newest.json").write_text(json.dumps(_result("2028-01-01T00:00:00+00:00", kind="real")))
+    # A quick run below the protocol (10 reps) is not shown as the newest result either.
+    quick = _result("2028-01-01T00:00:00+00:00")
+    quick["meta"]["config"] = {"reps": 10, "warmup": 3, "flush_l2": True, "energy": True, "energy_seconds": 2.0}
+    (b / "ffn-quick-newest.json").write_text(json.dumps(quick))
+    assert "10 reps" in ks.BenchRun(quick, None, this_run=False).banner()
     assert ks.find_bench_json([a, b]) == b / "ffn-a-new.json"
     assert ks.find_bench_json([a]) == a / "ffn-z-old.json"
     assert ks.find_bench_json([tmp_path / "missing"]) is None

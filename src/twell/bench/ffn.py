@@ -21,6 +21,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import os
 import platform
 import socket
 import sys
@@ -127,6 +128,33 @@ class BenchConfig:
         return dataclasses.replace(self, **changes)
 
 
+# What BENCHMARK.md asks of every run; a run below it is marked, and notebook 01 does not pick it as
+# the newest result.
+PROTOCOL_MIN_REPS = 30
+PROTOCOL_MIN_ENERGY_SECONDS = 2.0
+
+
+def protocol_deviations(config: dict) -> list[str]:
+    """Where a run's settings (``meta["config"]`` of its JSON, or ``dataclasses.asdict(cfg)``) fall
+    short of BENCHMARK.md; empty when they meet it."""
+    out = []
+    reps = config.get("reps")
+    if reps is not None and reps < PROTOCOL_MIN_REPS:
+        out.append(f"median of {reps} reps (protocol: at least {PROTOCOL_MIN_REPS})")
+    if config.get("warmup", 1) < 1:
+        out.append("no warm-up call")
+    if config.get("flush_l2") is False:
+        out.append("L2 not flushed between calls")
+    secs = config.get("energy_seconds")
+    if config.get("energy") is False:
+        out.append("energy not measured")
+    elif secs is not None and secs < PROTOCOL_MIN_ENERGY_SECONDS:
+        out.append(f"energy loops of {secs:g} s (protocol: at least {PROTOCOL_MIN_ENERGY_SECONDS:g} s)")
+    if config.get("memory") is False:
+        out.append("peak memory not measured")
+    return out
+
+
 def check_config(cfg: BenchConfig) -> None:
     """Errors for settings that cannot run, before anything is loaded or measured."""
     if cfg.shapes not in SHAPES:
@@ -176,10 +204,10 @@ dense_ffn = dense_gated_ffn  # the dense baseline of BENCHMARK.md
 
 def dense_train_ffn(x, w_gate, w_up, w_down):
     """Dense training forward: (out, l1). h is the recipe's hidden activation relu(x Wg^T) * (x Wu^T)
-    (the one SparseFFN and the hybrid training op penalise); l1 = |h| summed over hidden units in
-    fp32, mean over tokens."""
+    (the one SparseFFN and the hybrid training op penalise); l1 is BENCHMARK.md's expression,
+    ``h.abs().sum(-1).float().mean()``."""
     h = F.relu(F.linear(x, w_gate)) * F.linear(x, w_up)
-    return F.linear(h, w_down), h.abs().sum(-1, dtype=torch.float32).mean()
+    return F.linear(h, w_down), h.abs().sum(-1).float().mean()
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor, chunk_rows: int = 16384) -> float:
@@ -338,6 +366,9 @@ class BenchRunner:
             if cfg.fp32_check:
                 res["rel_err_vs_fp32"] = rel_error(out, ref32)
             res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
+            if res["poison_hit"] is False:  # stale memory could hold a right answer: not verified
+                res.update(ok=False, error="the output did not land in a poisoned block, so an unwritten "
+                           "element would pass unseen: the correctness check is not verified")
             del out
             describe = getattr(fn, "describe", None)  # what the implementation decided on these inputs
             if describe is not None:
@@ -383,6 +414,7 @@ class BenchRunner:
         names = ("out", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
         for name, fn in self.train_fns.items():
             res = rec["impls"][name] = {}
+            poison = Poison(dev, ref[0].numel() * ref[0].element_size())
             try:
                 got = step(fn)
                 if dev.type == "cuda":
@@ -390,10 +422,13 @@ class BenchRunner:
             except Exception as exc:
                 res.update(ok=False, error=_short(exc))
                 continue
+            res["poison_hit"] = poison.hit(got[0])
             errs = {n: rel_error(a, b) for n, a, b in zip(names, got, ref)}
             res["rel_err_parts"] = errs
             res["rel_err"] = max(errs.values())
             res["nonfinite"] = sum(_nonfinite(t) for t in got)
+            # Recorded only: in a forward and backward, intermediates may take the poisoned blocks
+            # before the output does, and no training run has shown whether hits happen.
             res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
             calls[name] = (lambda fn=fn: step(fn))
             del got
@@ -490,8 +525,12 @@ class BenchRunner:
             "device": str(dev),
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "clock": "cuda-events" if dev.type == "cuda" else "perf_counter",
-            "protocol": "shared/BENCHMARK.md" if dev.type == "cuda" else CPU_NOTE,
+            "protocol": (CPU_NOTE if dev.type != "cuda" else "below shared/BENCHMARK.md (protocol_deviations)"
+                         if protocol_deviations(cfg) else "shared/BENCHMARK.md"),
+            "protocol_deviations": protocol_deviations(cfg),
             "config": cfg,
+            # Settings the kernels read from the environment (union rule, paths, dense-row capacity).
+            "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},
             "energy_note": self.energy_note,
             "argv": sys.argv,
             "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
@@ -549,6 +588,8 @@ def markdown_report(result: dict) -> str:
              f"median of {meta['config']['reps']} reps; tolerance rel. error < {tol:g} vs dense bf16.", ""]
     if meta["device"] == "cpu" or meta["device"].startswith("cpu"):
         lines += [f"> {CPU_NOTE}", ""]
+    elif meta.get("protocol_deviations"):
+        lines += ["> BELOW THE BENCHMARK.md PROTOCOL: " + "; ".join(meta["protocol_deviations"]) + ".", ""]
     if result["failures"]:
         lines += ["## **CORRECTNESS FAILURES**", ""] + [f"- **FAIL** {f}" for f in result["failures"]] + [""]
     for name, why in result["unavailable"].items():

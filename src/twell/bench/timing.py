@@ -103,7 +103,8 @@ def run_for(fn: Callable[[], object], device: torch.device | str, min_seconds: f
     """Call fn repeatedly for at least ``min_seconds`` of wall time (synchronized); (calls, seconds).
 
     The number of calls is estimated from one synchronized call, then run as one queued batch
-    so that the GPU stays busy the whole time.
+    so that the GPU stays busy the whole time. The estimating call counts as one of the calls (an
+    energy meter read around run_for sees it too).
     """
     device = torch.device(device)
     _sync(device)
@@ -111,8 +112,7 @@ def run_for(fn: Callable[[], object], device: torch.device | str, min_seconds: f
     fn()
     _sync(device)
     one = max(time.perf_counter() - t0, 1e-6)
-    calls = 0
-    t0 = time.perf_counter()
+    calls = 1
     while True:
         batch = max(1, int((min_seconds - (time.perf_counter() - t0)) / one) + 1)
         for _ in range(batch):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from twell.bench.ffn import Poison
+from twell.bench.ffn import Poison, protocol_deviations
 from twell.bench.generator import calibrated_ffn_inputs, sparsity_stats
 from twell import paths
 
@@ -208,6 +208,9 @@ class BenchRun:
         """Where and when the numbers were measured (loud when not in this run); ``sep="\n"``: two lines."""
         name = self.path.name if self.path is not None else "not saved"
         partial = "" if self.result.get("complete", True) else " (PARTIAL: the run did not finish)"
+        below = protocol_deviations(self.result["meta"].get("config", {}))
+        if below:
+            partial += " (BELOW THE BENCHMARK.md PROTOCOL: " + "; ".join(below) + ")"
         if self.this_run:
             return f"measured in this run on {self.device_name} at {self.timestamp}{sep}({name}){partial}"
         return (f"MEASURED EARLIER on {self.device_name} at {self.timestamp}, NOT IN THIS RUN{sep}"
@@ -257,8 +260,9 @@ def bench_dirs(reports_dir: str | Path | None = None) -> list[Path]:
 
 def find_bench_json(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") -> Path | None:
     """The GPU benchmark JSON with the newest ``meta.timestamp`` in ``dirs`` (not file times; files
-    that are not benchmark results, were measured on a CPU, or hold no generator inference case, such
-    as a run of a checkpoint's real layers alone, are skipped); None when there is none."""
+    that are not benchmark results, were measured on a CPU, ran below the BENCHMARK.md protocol (fewer
+    than 30 reps, ...), or hold no generator inference case, such as a run of a checkpoint's real
+    layers alone, are skipped); None when there is none."""
     best, best_key = None, None
     for d in dirs:
         d = Path(d)
@@ -270,6 +274,8 @@ def find_bench_json(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") -> 
             except (ValueError, OSError):
                 continue
             if not any(r["case"]["kind"] in ("inference", "odd") for r in result["cases"]):
+                continue
+            if protocol_deviations(result["meta"].get("config", {})):
                 continue
             key = (_timestamp(result), path.name)
             if best_key is None or key > best_key:
