@@ -312,6 +312,25 @@ def test_reference_packed_twell_uses_its_dense_backup(fused_path):
     check_ffn(out, x, wg, wu, wd)
 
 
+@pytest.mark.parametrize("tile,compression", [(256, 8), (512, 8), (96, 3)])
+def test_non_gated_kernel_on_a_packed_twell(tile, compression):
+    """twell_ffn on a TwELL packed elsewhere (no source: the kernel gets a placeholder x, and rows that
+    overflow come from the dense backup), at tilings the gate kernel does not make."""
+    x, wg, wu, wd = inputs(500, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9], zero_rows=[4])
+    act = pack_twell(F.relu(F.linear(x, wg)), tile, compression)
+    assert act.source is None and act.n_overflow_rows >= 2
+    wdt = wd.t().contiguous()
+    # Two poisoned blocks: the placeholder x may take one of them.
+    blocks = [torch.full((500, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    ptrs = {b.data_ptr() for b in blocks}
+    del blocks
+    out = kernels.twell_ffn(act, wdt)
+    assert out.data_ptr() in ptrs
+    ref = reference.twell_ffn(act, wdt)  # fp32 sums of the same bf16 activations
+    assert torch.isfinite(out).all() and rel(out, ref.double()) < 2e-3, rel(out, ref.double())
+    assert out[4].eq(0).all()
+
+
 @pytest.mark.parametrize("M,D,H,tile,compression", [(4097, 2048, 5632, 256, 8), (1000, 512, 1000, 128, 4),
                                                      (63, 1024, 5632, 256, 8)])
 def test_union_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
