@@ -515,6 +515,7 @@ class BenchRunner:
         cfg["out"] = str(cfg["out"]) if cfg["out"] is not None else None
         cfg["checkpoint"] = str(cfg["checkpoint"]) if cfg["checkpoint"] is not None else None
         cfg["tokens"] = str(cfg["tokens"]) if cfg["tokens"] is not None else None
+        below = protocol_deviations(cfg)
         meta = {
             "timestamp": started,
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -526,8 +527,8 @@ class BenchRunner:
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "clock": "cuda-events" if dev.type == "cuda" else "perf_counter",
             "protocol": (CPU_NOTE if dev.type != "cuda" else "below shared/BENCHMARK.md (protocol_deviations)"
-                         if protocol_deviations(cfg) else "shared/BENCHMARK.md"),
-            "protocol_deviations": protocol_deviations(cfg),
+                         if below else "shared/BENCHMARK.md"),
+            "protocol_deviations": below,
             "config": cfg,
             # Settings the kernels read from the environment (union rule, paths, dense-row capacity).
             "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},

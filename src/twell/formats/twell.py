@@ -44,6 +44,11 @@ from twell.formats.checks import check_tensor, check_tiling, leading_nonzeros
 MAX_COLUMNS = 1 << 16  # the column index has 16 bits
 
 
+def columns_limit(H: int) -> str:
+    """Why TwELL cannot hold H columns, or "" when it can (callers add whose H it is)."""
+    return "" if 1 <= H <= MAX_COLUMNS else f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={H}"
+
+
 def _require_little_endian() -> None:
     # Words are assembled from int16 halves through a view, which assumes little-endian memory.
     if sys.byteorder != "little":
@@ -245,8 +250,8 @@ def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
     slots = check_tiling(tile, compression)
     check_tensor("h", h, dtype=torch.bfloat16, shape=("M", "H"))
     M, H = h.shape
-    if H == 0 or H > MAX_COLUMNS:
-        raise ValueError(f"h: TwELL needs 1 <= H <= {MAX_COLUMNS} columns (16-bit index), got H={H}")
+    if columns_limit(H):
+        raise ValueError(f"h: {columns_limit(H)}")
     n_tiles = -(-H // tile)
     hp = torch.zeros(M, n_tiles * tile, dtype=h.dtype, device=h.device)
     hp[:, :H] = h

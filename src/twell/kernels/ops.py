@@ -26,16 +26,33 @@ import torch
 from torch import Tensor
 
 from twell.formats import TwELL, check_tensor, check_tiling
-from twell.formats.twell import MAX_COLUMNS
+from twell.formats.twell import columns_limit
 from twell.kernels.build import load
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
+
+
+# The kernels' shape limits, once: the ops raise them, layer_unsupported reports them.
+def _width_limit(D: int) -> str:
+    return f"the TwELL kernels need D to be a multiple of 64, got D={D}" if D % 64 else ""
+
+
+def _fused_limit(D: int) -> str:
+    return _width_limit(D) or (f"the fused TwELL kernel supports D <= 2048 for now, got D={D}" if D > 2048 else "")
+
+
+def _tile_limit(tile: int) -> str:
+    return "" if tile in (64, 128, 256) else f"the gate kernel supports tile widths 64, 128 and 256, got {tile}"
+
+
+def _raise_if(why: str) -> None:
+    if why:
+        raise ValueError(why)
 
 
 def _kernel_checks(x: Tensor) -> None:
     if not x.is_cuda:
         raise ValueError(f"the TwELL kernels run on CUDA tensors; x is on {x.device} (use twell.reference on CPU)")
-    if x.shape[1] % 64:
-        raise ValueError(f"the TwELL kernels need D to be a multiple of 64, got D={x.shape[1]}")
+    _raise_if(_width_limit(x.shape[1]))
 
 
 def spill_capacity(M: int) -> int:
@@ -79,13 +96,9 @@ def _(x, w_gate, w_up, w_down_t, tile, compression):
 
 
 def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> None:
-    check_gate_args(x, w_gate, tile, compression)
+    check_gate_args(x, w_gate, tile, compression)  # the tiling and H's range too
     _kernel_checks(x)
-    if tile not in (64, 128, 256):
-        raise ValueError(f"the gate kernel supports tile widths 64, 128 and 256, got {tile}")
-    if not 1 <= w_gate.shape[0] <= MAX_COLUMNS:
-        raise ValueError(f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={w_gate.shape[0]} "
-                         "(w_gate's rows)")
+    _raise_if(_tile_limit(tile))
 
 
 def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = 8) -> str:
@@ -95,21 +108,14 @@ def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = 8) -> 
         check_tiling(tile, compression)
     except ValueError as exc:
         return str(exc)
-    if D % 64:
-        return f"the TwELL kernels need D to be a multiple of 64, got D={D}"
-    if D > 2048:
-        return f"the fused TwELL kernel supports D <= 2048 for now, got D={D}"
-    if not 1 <= H <= MAX_COLUMNS:
-        return f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={H}"
-    if tile not in (64, 128, 256):
-        return f"the gate kernel supports tile widths 64, 128 and 256, got {tile}"
-    return ""
+    if _fused_limit(D):
+        return _fused_limit(D)
+    return columns_limit(H) or _tile_limit(tile)
 
 
 def _fused_kernel_checks(x: Tensor) -> None:
     _kernel_checks(x)
-    if x.shape[1] > 2048:
-        raise ValueError(f"the fused TwELL kernel supports D <= 2048 for now, got D={x.shape[1]}")
+    _raise_if(_fused_limit(x.shape[1]))
 
 
 def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:

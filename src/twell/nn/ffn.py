@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twell.formats import check_tiling
-from twell.formats.twell import MAX_COLUMNS
+from twell.formats.twell import columns_limit
 from twell.reference.ffn import check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
@@ -199,8 +199,8 @@ class SparseFFN(nn.Module):
         """Why no sparse path (reference or kernels) can run this layer on x; '' when one can."""
         if self.has_bias():
             return self.BIAS_ERROR
-        if not 1 <= self.intermediate_size <= MAX_COLUMNS:
-            return f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), this layer has H={self.intermediate_size}"
+        if columns_limit(self.intermediate_size):
+            return f"{columns_limit(self.intermediate_size)} (this layer's intermediate size)"
         ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
         if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in ws):
             return (f"the sparse paths compute in bfloat16; x is {x.dtype}, the weights "
@@ -245,6 +245,19 @@ class SparseFFN(nn.Module):
             if self._auto_dense:
                 return self._dense(x)
             return self._sparse(x, use_kernel=True, measure=self._auto_dense is None)
+        # An explicit sparse path raises where "auto" would leave it.
+        if self.has_bias():
+            raise ValueError(self.BIAS_ERROR)
+        self._check_width(x)
+        if path == "kernel":
+            from twell import kernels
+
+            ok, why = kernels.available()
+            if not ok:
+                raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
+            why = kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
+            if why:
+                raise ValueError(f"path='kernel' cannot run this layer: {why} (path='auto' takes the reference)")
         return self._sparse(x, use_kernel=(path == "kernel"))
 
     def _measure_activity(self, gate) -> None:
@@ -299,18 +312,10 @@ class SparseFFN(nn.Module):
         return any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj))
 
     def _sparse(self, x: torch.Tensor, *, use_kernel: bool, measure: bool = False) -> torch.Tensor:
-        if self.has_bias():
-            raise ValueError(self.BIAS_ERROR)
-        self._check_width(x)
+        """The sparse forward; the caller (forward) has checked that this path can run the layer."""
         if use_kernel:
             from twell import kernels as impl
 
-            ok, why = impl.available()
-            if not ok:
-                raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
-            why = impl.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
-            if why:
-                raise ValueError(f"path='kernel' cannot run this layer: {why} (path='auto' takes the reference)")
             self.last_path = "twell-kernel"
         else:
             from twell import reference as impl

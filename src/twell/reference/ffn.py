@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from twell.formats import TwELL, check_tensor, check_tiling, pack_twell
-from twell.formats.twell import MAX_COLUMNS
+from twell.formats.twell import columns_limit
 from twell.reference.coo import coo_sddmm, coo_spmm
 
 
@@ -25,9 +25,8 @@ def check_gate_args(x: torch.Tensor, w_gate: torch.Tensor, tile: int, compressio
         raise ValueError(f"x has D={x.shape[1]} columns but w_gate is {list(w_gate.shape)} ([H, D]): "
                          "the widths must agree")
     check_tensor("w_gate", w_gate, dtype=torch.bfloat16, shape=("H", x.shape[1]), device=x.device, contiguous=True)
-    if not 1 <= w_gate.shape[0] <= MAX_COLUMNS:
-        raise ValueError(f"TwELL needs 1 <= H <= {MAX_COLUMNS} (16-bit index), got H={w_gate.shape[0]} "
-                         "(w_gate's rows)")
+    if columns_limit(w_gate.shape[0]):
+        raise ValueError(f"{columns_limit(w_gate.shape[0])} (w_gate's rows)")
 
 
 def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tensor]) -> None:
