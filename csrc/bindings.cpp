@@ -128,6 +128,18 @@ std::vector<at::Tensor> gate_twell(const at::Tensor& x, const at::Tensor& w, int
   return {out, spill};
 }
 
+// The fused kernels' paths for one call of M rows. The block-union rule: union_ratio and union_base
+// both >= 0 for this call, or both negative for the TWELL_UNION_* setting.
+twell::FfnPaths ffn_paths(int64_t M, double union_ratio_arg, double union_base_arg, const char* op) {
+  const bool per_call = !(union_ratio_arg < 0 && union_base_arg < 0);
+  TORCH_CHECK(!per_call || (union_ratio_arg >= 0 && union_base_arg >= 0 && std::isfinite(union_ratio_arg) &&
+                            std::isfinite(union_base_arg)),
+              op, ": union_ratio and union_base must both be finite and >= 0 (or both negative: the "
+              "TWELL_UNION_* setting), got ", union_ratio_arg, " and ", union_base_arg);
+  return {stationary_mode(), per_call ? float(union_ratio_arg) : union_ratio(),
+          per_call ? float(union_base_arg) : union_base(), int(dense_cap(M))};
+}
+
 at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::optional<at::Tensor>& spill,
                        const c10::optional<at::Tensor>& w_act, const c10::optional<at::Tensor>& w_up,
                        const at::Tensor& w_down_t, int64_t tile, int64_t compression, int64_t max_sms,
@@ -157,14 +169,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   } else {
     out = at::empty({M, D}, x.options());
   }
-  // The block-union rule of this call: both arguments >= 0, or both negative for the environment's.
-  const bool per_call = !(union_ratio_arg < 0 && union_base_arg < 0);
-  TORCH_CHECK(!per_call || (union_ratio_arg >= 0 && union_base_arg >= 0 && std::isfinite(union_ratio_arg) &&
-                            std::isfinite(union_base_arg)),
-              "twell.ffn: union_ratio and union_base must both be finite and >= 0 (or both negative: the "
-              "TWELL_UNION_* setting), got ", union_ratio_arg, " and ", union_base_arg);
-  const twell::FfnPaths paths{stationary_mode(), per_call ? float(union_ratio_arg) : union_ratio(),
-                              per_call ? float(union_base_arg) : union_base(), int(dense_cap(M))};
+  const twell::FfnPaths paths = ffn_paths(M, union_ratio_arg, union_base_arg, "twell.ffn");
   const int64_t words =
       int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), w_up.has_value(), w_act.has_value(), paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));  // row queues, path scratch, dense rows
@@ -183,7 +188,8 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
 // kernels, with the light kernel overlapping the gate kernel's last wave (v13). The TwELL stays
 // internal, so nothing outside the op sees its ready counters or the queue zeroed ahead of time.
 at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                      const at::Tensor& w_down_t, int64_t tile, int64_t compression) {
+                      const at::Tensor& w_down_t, int64_t tile, int64_t compression, double union_ratio_arg,
+                      double union_base_arg) {
   check_gate_inputs(x, w_gate, tile, compression, "twell.sparse_ffn");
   for (const auto& [w, name] : {std::pair{&w_up, "w_up"}, std::pair{&w_down_t, "w_down_t"}}) {
     check_bf16_matrix(*w, name);
@@ -196,7 +202,7 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
   at::Tensor tw = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));
   at::Tensor spill = at::empty({sparse_ffn_spill_words(M)}, x.options().dtype(at::kUInt32));
   at::Tensor out = at::empty({M, D}, x.options());
-  const twell::FfnPaths paths{stationary_mode(), union_ratio(), union_base(), int(dense_cap(M))};
+  const twell::FfnPaths paths = ffn_paths(M, union_ratio_arg, union_base_arg, "twell.sparse_ffn");
   const int64_t words = int64_t(twell::ffn_workspace_words(int(M), int(D), int(H), true, true, paths));
   at::Tensor work = at::empty({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());
@@ -257,7 +263,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("union_base") = -1.0);
   m.def("sparse_ffn", &sparse_ffn, "gate kernel + fused up/down in one call (the fused kernel overlaps the gate's tail)",
         pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down_t"),
-        pybind11::arg("tile"), pybind11::arg("compression"));
+        pybind11::arg("tile"), pybind11::arg("compression"), pybind11::arg("union_ratio") = -1.0,
+        pybind11::arg("union_base") = -1.0);
   m.def("dense_cap", &dense_cap, "heavy rows the dense path may take for M rows ($TWELL_DENSE_CAP or the default)",
         pybind11::arg("M"));
   m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");

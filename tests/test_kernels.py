@@ -485,6 +485,12 @@ def test_union_argument_overrides_the_setting(monkeypatch):
     assert torch.equal(by_arg, by_setting) and torch.equal(per_row_by_arg, per_row)
     assert not torch.equal(by_arg, per_row)
     check_ffn(by_arg, x, wg, wu, wd)
+    # The one op takes the rule per call the same way (setting still "0": the argument decides).
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8, union=(1e9, 0)), by_arg)
+    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8, union=(0, 0)), per_row)
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8), by_arg)
+    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
     ext = kernels.load()  # the raw op takes both arguments or neither (negative: the variables)
     for ratio, base in ((1.0, -1.0), (-1.0, 600.0), (float("nan"), 0.0)):
         with pytest.raises(RuntimeError, match="union_ratio and union_base"):
@@ -537,7 +543,7 @@ def test_choose_union_paths_per_layer():
 
 
 def test_choose_union_paths_keeps_per_row_where_the_rule_times_slower(monkeypatch):
-    """A layer whose blocks qualify keeps the per-row kernel when its fused op is not at least min_gain
+    """A layer whose blocks qualify keeps the per-row kernel when its sparse FFN is not at least min_gain
     faster with the rule (timings replaced here, so the decision is what is tested); timed=False goes by
     the share alone."""
     from twell.model import choose_union_paths, union_paths
@@ -547,14 +553,14 @@ def test_choose_union_paths_keeps_per_row_where_the_rule_times_slower(monkeypatc
     f = module_with(wg, wu, wd)
     f.path = "kernel"
     calls = []
-    monkeypatch.setattr(union_paths, "fused_times", lambda *a: calls.append(a) or (1.0, 1.5))
+    monkeypatch.setattr(union_paths, "ffn_times", lambda *a: calls.append(a) or (1.0, 1.5))
     with pytest.warns(UserWarning, match="2048 calibration tokens; below ~16384"):
         report = choose_union_paths(f, x)
     assert len(calls) == 1 and report[0]["share"] >= 0.5 and f.union == (0.0, 0.0), report
     assert (report[0]["per_row_ms"], report[0]["union_ms"]) == (1.0, 1.5) and "1.500 ms with the rule" in report[0]["why"]
-    monkeypatch.setattr(union_paths, "fused_times", lambda *a: (1.5, 1.0))
+    monkeypatch.setattr(union_paths, "ffn_times", lambda *a: (1.5, 1.0))
     assert choose_union_paths(f, x)[0]["union"] == UNION_RULE and f.union == UNION_RULE
-    monkeypatch.setattr(union_paths, "fused_times", lambda *a: (1.0, 0.99))  # a near tie stays per-row
+    monkeypatch.setattr(union_paths, "ffn_times", lambda *a: (1.0, 0.99))  # a near tie stays per-row
     assert "needs 2% less" in choose_union_paths(f, x)[0]["why"] and f.union == (0.0, 0.0)
     assert choose_union_paths(f, x, min_gain=0.0)[0]["union"] == UNION_RULE
     report = choose_union_paths(f, x, timed=False)
@@ -856,7 +862,9 @@ def test_ops_pass_torch_library_opcheck():
 
     x, wg, wu, wd = inputs(300, 512, 1024, nnz=29, tail=0.35, dense_rows=[3])
     wdt = wd.t().contiguous()
-    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION))
+    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION, -1.0, -1.0))
+    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION,
+                                               *reference.ffn.UNION_RULE))
     packed, spill = ops._gate_op(x, wg, 256, 8)
     torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, -1.0, -1.0))
     torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, *reference.ffn.UNION_RULE))
@@ -892,12 +900,16 @@ def test_kernel_twell_ffn_refuses_an_output_width_it_cannot_write():
 
 
 def test_module_uses_kernels_on_gpu():
-    x, wg, wu, wd = inputs(300, 2048, 5632, nnz=29)
+    x, wg, wu, wd = inputs(2000, 2048, 5632, nnz=29, dense_rows=[5])  # ~0.6% active: "auto" stays sparse
     ffn = module_with(wg, wu, wd)
     with torch.no_grad():
         ffn.path = "auto"
-        out = ffn(x)
-        assert ffn.last_path == "twell-kernel"
+        out = ffn(x)  # measures the activity: the gate op, then the fused op
+        assert ffn.last_path == "twell-kernel" and ffn._auto_dense is False
+        assert torch.equal(ffn(x), out)  # the one op from now on: same bits
+        assert torch.equal(out, kernels.sparse_gated_ffn(x, wg, wu, wd.t().contiguous()))
+        ffn.keep_gate = True
+        assert torch.equal(ffn(x), out) and ffn.last_gate.compression == SPARSE_FFN_COMPRESSION
         ffn.path = "reference"
         ref = ffn(x)
         assert ffn.last_path == "twell-reference"
@@ -923,3 +935,30 @@ def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
             assert ffn.auto_note is None
             ffn(x)
             assert ffn.last_path == "twell-kernel" and (ffn.auto_note is not None) == expect_dense
+
+
+def test_module_runs_in_a_cuda_graph():
+    """A SparseFFN ("auto") captured in a CUDA graph on its very first call: the capture cannot read the
+    activity back to the host, so the layer says so and measures on its first call outside. An eager
+    call before any replay must not see the capture's unexecuted copy of W_down^T. Replays on new
+    inputs (heavy rows included) equal eager calls bit for bit."""
+    # ~0.6% of the neurons active per token, so "auto" stays sparse once it measures (1% limit)
+    x, wg, wu, wd = inputs(2048, 2048, 5632, nnz=29, seed=0)
+    x2 = inputs(2048, 2048, 5632, nnz=29, seed=1, dense_rows=[3])[0]
+    ffn = module_with(wg, wu, wd)
+    kernels.load()  # build outside the capture
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        with torch.cuda.graph(graph):
+            static_out = ffn(static_x)
+        assert ffn.last_path == "twell-kernel" and "captured in a CUDA graph" in ffn.auto_note
+        assert ffn._auto_dense is None
+        eager = ffn(x2)  # before any replay; measures now
+        assert ffn._auto_dense is False and ffn.auto_note is None
+        static_x.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+        assert torch.equal(static_out, ffn(x2))
+    check_ffn(static_out, x2, wg, wu, wd)

@@ -11,6 +11,7 @@ from twell.nn import SparseFFN
 from twell.reference import (
     dense_gated_ffn, hybrid_gated_ffn, sparse_gated_ffn, twell_ffn, twell_gate, twell_gated_ffn,
 )
+from twell.reference.ffn import SPARSE_FFN_COMPRESSION
 
 
 def ffn_inputs(M, D, H, offset, seed, heavy_rows=0):
@@ -166,6 +167,37 @@ def test_module_paths_agree_and_report_themselves():
         silu.path = "reference"
 
 
+def test_module_runs_one_op_unless_it_needs_the_twell(monkeypatch):
+    """A gated layer calls sparse_gated_ffn (the kernels' one op, which keeps the TwELL inside) with its
+    tiling and union rule; with keep_gate it calls the gate op and the fused op instead and keeps the
+    TwELL. Same result either way (the reference shows the routing on the CPU; the kernels' bits are
+    compared on the GPU)."""
+    import twell.reference as ref_ops
+
+    calls = []
+    one_op = ref_ops.sparse_gated_ffn
+
+    def spy(*args, **kwargs):
+        calls.append((args[4:], kwargs))
+        return one_op(*args, **kwargs)
+
+    monkeypatch.setattr(ref_ops, "sparse_gated_ffn", spy)
+    x, wg, wu, wd = ffn_inputs(70, 64, 300, -1.0, 0)
+    ffn = SparseFFN(64, 300, path="reference").to(torch.bfloat16)
+    with torch.no_grad():
+        for m, w in ((ffn.gate_proj, wg), (ffn.up_proj, wu), (ffn.down_proj, wd)):
+            m.weight.copy_(w)
+        ffn.union = (0.8, 400)
+        out = ffn(x)
+        assert calls == [((256, SPARSE_FFN_COMPRESSION), {"union": (0.8, 400.0)})] and ffn.last_gate is None
+        ffn.keep_gate = True
+        kept = ffn(x)
+    assert len(calls) == 1, "keep_gate must take the two ops"
+    assert ffn.last_gate.compression == SPARSE_FFN_COMPRESSION and ffn.last_gate.n_rows == 70
+    assert torch.equal(out, kept)
+    assert torch.equal(out, one_op(x, wg, wu, wd.t().contiguous()))
+
+
 @pytest.mark.parametrize("bad", [(1.0,), (-1.0, 0.0), (0.5, -600.0), (float("inf"), 0.0), "12", 0.5])
 def test_union_rule_is_checked(bad):
     """``union`` (the kernels' block-union rule, per call or per layer) is checked in the reference too,
@@ -175,7 +207,10 @@ def test_union_rule_is_checked(bad):
     wdt = wd.t().contiguous()
     with pytest.raises(ValueError, match="union"):
         twell_gated_ffn(x, gate, wu, wdt, union=bad)
+    with pytest.raises(ValueError, match="union"):
+        sparse_gated_ffn(x, wg, wu, wdt, union=bad)
     assert torch.equal(twell_gated_ffn(x, gate, wu, wdt, union=(0.43, 600)), twell_gated_ffn(x, gate, wu, wdt))
+    assert torch.equal(sparse_gated_ffn(x, wg, wu, wdt, union=(0.43, 600)), sparse_gated_ffn(x, wg, wu, wdt))
     ffn = SparseFFN(64, 300)
     with pytest.raises(ValueError, match="union"):
         ffn.union = bad

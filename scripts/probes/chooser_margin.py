@@ -3,7 +3,8 @@
 Builds that test's layer a (same seed and shape), then, in this process, runs choose_union_paths
 ROUNDS times for each REPS given and prints per round: per-row ms, union ms, their ratio, and the
 decision. The first round is the one a test sees when it is the first timed call in a fresh process.
-Then fused_times with 10 / 30 / 100 repetitions.
+Then ffn_times with 10 / 30 / 100 repetitions (until session 28 the chooser timed the fused op alone,
+fused_times; the JSON files of sessions 27 and before hold those).
 Usage (on the H100): [M=4096] PYTHONPATH=src:tests python scripts/probes/chooser_margin.py [ROUNDS] [OUT_JSON] [REPS ...]
 (REPS default: 10 30; M: tokens of the layer, the test's 4096 by default)
 """
@@ -15,9 +16,8 @@ import time
 import torch
 
 from test_kernels import inputs, module_with  # the test's own helpers: same inputs
-from twell import kernels
 from twell.model import choose_union_paths
-from twell.model.union_paths import fused_times
+from twell.model.union_paths import ffn_times
 from twell.reference.ffn import UNION_RULE
 
 
@@ -42,17 +42,16 @@ def main(rounds=10, out_json=None, reps_list=(10, 30)):
         ratios = [r["ratio"] for r in rows if r["reps"] == reps and r["ratio"] is not None]
         if ratios:
             print(f"reps {reps}: ratio {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} rounds", flush=True)
-    gate = kernels.twell_gate(x, wg, tile=f.tile, compression=f.compression)
     long = []
     for reps in (10, 30, 100):
-        p, u = fused_times(f, x, gate, UNION_RULE, reps)
+        p, u = ffn_times(f, x, UNION_RULE, reps)
         long.append({"reps": reps, "per_row_ms": p, "union_ms": u, "ratio": u / p})
-        print(f"fused_times reps={reps}: per-row {p:.4f}, union {u:.4f}, ratio {u / p:.3f}", flush=True)
+        print(f"ffn_times reps={reps}: per-row {p:.4f}, union {u:.4f}, ratio {u / p:.3f}", flush=True)
     if out_json:
         with open(out_json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "M": M, "D": D, "H": H,
-                       "warmup": "fused_times' (see twell.model.union_paths)", "rounds": rows,
-                       "fused_times": long}, fh, indent=1)
+                       "warmup": "ffn_times' (see twell.model.union_paths)", "rounds": rows,
+                       "ffn_times": long}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--odd-M", type=int, help="token count of the odd shape")
     f.add_argument("--odd-H", type=int, help="intermediate size of the odd shape")
     f.add_argument("--train-M", type=int, help="token count of the training shape")
-    f.add_argument("--impl", nargs="+", help="inference implementations: twell-kernel (one op), twell-kernel-ops "
-                                             "(gate then fused op, as SparseFFN runs them), twell-kernel-union "
-                                             "(those with the fitted block-union rule), twell-reference (default: "
-                                             "twell-kernel on CUDA, twell-reference on CPU)")
+    f.add_argument("--impl", nargs="+", help="inference implementations: twell-kernel (one op, as SparseFFN runs "
+                                             "it), twell-kernel-ops (gate op then fused op), twell-kernel-union "
+                                             "(the one op with the fitted block-union rule), twell-reference "
+                                             "(default: twell-kernel on CUDA, twell-reference on CPU)")
     f.add_argument("--train-impl", nargs="+", default=[], help="training implementations besides dense")
     f.add_argument("--reps", type=int, default=30)
     f.add_argument("--warmup", type=int, default=3)

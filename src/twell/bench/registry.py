@@ -70,32 +70,34 @@ def _kernels():
     return kernels
 
 
-def _two_ops(kernels, union: tuple[float, float]) -> Callable:
-    """The gate op, then the fused op with ``union``, as a SparseFFN layer runs them (compression 8).
-    Against "twell-kernel" (one op at compression 16 whose fused kernel overlaps the gate's last wave)
-    the two ops give up about 0.3-2% (csrc/NOTES.md: v13, session 18)."""
+def _twell_kernel_ops() -> Callable:
+    """The gate op (the published compression 8), then the fused op with the per-row kernel only: the
+    route a caller that keeps the TwELL takes. Against "twell-kernel" (one op at compression 16 whose
+    fused kernel overlaps the gate's last wave) it gives up about 0.3-2% (csrc/NOTES.md: v13,
+    session 18)."""
+    kernels = _kernels()
+
     def fn(x, w_gate, w_up, w_down_t):
-        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=union)
+        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, union=(0.0, 0.0))
 
     return fn
 
 
-def _twell_kernel_ops() -> Callable:
-    # Per-row kernel only: the like-for-like baseline of "twell-kernel-union".
-    return _two_ops(_kernels(), (0.0, 0.0))
-
-
 def _twell_kernel_union() -> Callable:
-    from twell.reference.ffn import UNION_BLOCK, UNION_RULE
+    from twell.reference.ffn import SPARSE_FFN_COMPRESSION, UNION_BLOCK, UNION_RULE
 
     kernels = _kernels()
-    # What a SparseFFN layer runs once choose_union_paths gave it the rule: the block-union path for
-    # the 64-row blocks the rule picks, per-row elsewhere.
-    fn = _two_ops(kernels, UNION_RULE)
+
+    def fn(x, w_gate, w_up, w_down_t):
+        # What a SparseFFN layer runs once choose_union_paths gave it the rule: the one op with the
+        # block-union path for the 64-row blocks the rule picks, per-row elsewhere (the kernels in
+        # turn: the union plan reads the whole TwELL first).
+        return kernels.sparse_gated_ffn(x, w_gate, w_up, w_down_t, union=UNION_RULE)
 
     def describe(x, w_gate, w_up, w_down_t) -> dict:
         """How many 64-row blocks the rule sent to the block-union path on these inputs."""
-        plan = kernels.union_plan(x, kernels.twell_gate(x, w_gate), w_up, w_down_t, *UNION_RULE)
+        gate = kernels.twell_gate(x, w_gate, compression=SPARSE_FFN_COMPRESSION)
+        plan = kernels.union_plan(x, gate, w_up, w_down_t, *UNION_RULE)
         return {"union_rule": list(UNION_RULE), "union_blocks": plan["union_blocks"],
                 "blocks": -(-x.shape[0] // UNION_BLOCK), "per_row_rows": plan["per_row_rows"]}
 
@@ -110,10 +112,11 @@ def _twell_reference() -> Callable:
 
 
 def default_registry() -> Registry:
-    """A fresh registry with "twell-kernel" (CUDA, sm_90a: the one-op sparse FFN), "twell-kernel-ops" (its
-    gate and fused ops called one after the other, as a SparseFFN layer does), "twell-kernel-union" (those
-    ops with the fitted block-union rule, twell.reference.ffn.UNION_RULE) and "twell-reference" (pure
-    PyTorch)."""
+    """A fresh registry with "twell-kernel" (CUDA, sm_90a: the one-op sparse FFN, as a SparseFFN layer
+    runs it), "twell-kernel-ops" (its gate and fused ops called one after the other, as a layer that
+    keeps its TwELL does), "twell-kernel-union" (the one op with the fitted block-union rule,
+    twell.reference.ffn.UNION_RULE, as a layer given the rule by choose_union_paths runs it) and
+    "twell-reference" (pure PyTorch)."""
     reg = Registry()
     reg.register("twell-kernel", _twell_kernel)
     reg.register("twell-kernel-ops", _twell_kernel_ops)

@@ -7,8 +7,8 @@ graphs can trace them without running them):
   epilogue, and its spill area (entries of tile rows that overflowed their slots)
 - ``twell::ffn(x, packed, spill?, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
   fused up/down (a negative union_ratio / union_base: the TWELL_UNION_* setting)
-- ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression) -> out`` : both in one call, the
-  fused kernel overlapping the gate kernel's tail
+- ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
+  both in one call, the fused kernel overlapping the gate kernel's tail
 
 The public functions validate inputs with readable errors (shared with the reference), then call
 the ops. A TwELL from :func:`twell_gate` carries the gate kernel's spill area (the entries of tile rows that
@@ -86,12 +86,13 @@ def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression, union_ratio, u
 
 
 @torch.library.custom_op("twell::sparse_ffn", mutates_args=())
-def _sparse_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int, compression: int) -> Tensor:
-    return load().sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression)
+def _sparse_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int, compression: int,
+                   union_ratio: float, union_base: float) -> Tensor:
+    return load().sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base)
 
 
 @_sparse_ffn_op.register_fake
-def _(x, w_gate, w_up, w_down_t, tile, compression):
+def _(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base):
     return x.new_empty(x.shape)
 
 
@@ -171,21 +172,24 @@ def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
 
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
-                     compression: int = SPARSE_FFN_COMPRESSION) -> Tensor:
+                     compression: int = SPARSE_FFN_COMPRESSION,
+                     union: Optional[tuple[float, float]] = None) -> Tensor:
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
     last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
     bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``, at any compression while the
     spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
-    are recomputed and agree to rounding). The block-union rule comes from TWELL_UNION_* only; with it
-    on, the kernels run in turn (no overlap). For a rule per call, use the two ops.
+    are recomputed and agree to rounding). ``union`` is the block-union rule as in
+    :func:`twell_gated_ffn` (``None``: TWELL_UNION_*); with the rule on, the kernels run in turn (its
+    plan reads the whole TwELL first), so there is no overlap.
     """
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=torch.bfloat16, shape=tuple(w_gate.shape), device=x.device, contiguous=True)
-    return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression)
+    ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
+    return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression, ratio, base)
 
 
 

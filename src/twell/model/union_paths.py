@@ -4,7 +4,7 @@ The block-union path (csrc/twell_union.cu) pays on layers whose tokens share man
 and loses on the others: its plan costs ~0.1 ms per call at 65536 tokens even where no block
 qualifies (csrc/NOTES.md, session 19). So rather than one process-wide setting, each SparseFFN gets
 its own ``union``: the fitted rule where most blocks of a calibration batch qualify and, by default,
-the fused kernel is faster with it on that batch; off elsewhere. The timing is there because the
+the layer's sparse FFN is faster with it on that batch; off elsewhere. The timing is there because the
 share alone misroutes some layers (a trained layer with 12 active per token: 79% of blocks qualify,
 3% slower; csrc/NOTES.md, session 26).
 """
@@ -28,11 +28,14 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
                        **kwargs: Any) -> list[dict]:
     """Run ``model(*args, **kwargs)`` once without gradients, and give every SparseFFN layer
     ``union = rule`` when at least ``min_share`` of its 64-token blocks would take the union path on the
-    inputs it saw and (with ``timed``) its fused kernel runs at least ``min_gain`` faster with the rule
-    than without on those inputs (median of ``reps`` alternating calls, 30 as in the benchmark); else
+    inputs it saw and (with ``timed``) the layer's sparse FFN (the one op it runs) is at least
+    ``min_gain`` faster with the rule than without on those inputs (median of ``reps`` alternating
+    calls, 30 as in the benchmark); else
     ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a
     calibration timing moves by 1-2% on layers of a millisecond or more: a near tie gains nothing and
-    the union path holds more memory. Calibrate on at least ~16k tokens: on a 4096-token layer
+    the union path holds more memory. (Until session 28 the fused op alone was timed; the whole op
+    also counts the gate kernel's last wave, which the union path cannot overlap: its plan reads the
+    whole TwELL first.) Calibrate on at least ~16k tokens: on a 4096-token layer
     (~0.2 ms per call) the union / per-row ratio moved by up to 0.2 from one call to the next, with 10
     or 30 reps alike; at 16384 tokens it moved by 0.01 (csrc/NOTES.md, session 27). A layer timed on
     fewer than ``MIN_TIMED_TOKENS`` tokens gets a warning.
@@ -93,9 +96,9 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
                     warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
                                   "the two paths is noisy (the ratio moved by up to 0.2 at 4096 tokens), so the choice "
                                   "may flip between calls", stacklevel=2)
-                per_row, union = fused_times(f, x, gate, rule, reps)
+                per_row, union = ffn_times(f, x, rule, reps)
                 row.update(per_row_ms=per_row, union_ms=union)
-                reason += f"; fused kernel {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
+                reason += f"; sparse FFN {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
                 if union <= per_row * (1.0 - min_gain):
                     row["union"] = rule
                 else:
@@ -108,16 +111,18 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     return report
 
 
-def fused_times(f, x: torch.Tensor, gate, rule: tuple[float, float], reps: int) -> tuple[float, float]:
-    """Median ms of the layer's fused op on (x, gate): per-row kernel only, then with ``rule``
-    (alternating calls, L2 flushed before each, as the benchmark times them)."""
+def ffn_times(f, x: torch.Tensor, rule: tuple[float, float], reps: int) -> tuple[float, float]:
+    """Median ms of the layer's sparse FFN on x, as the layer runs it (the one op): per-row kernel only,
+    then with ``rule`` (alternating calls, L2 flushed before each, as the benchmark times them)."""
     from twell import kernels
     from twell.bench.timing import time_alternating
 
-    wu, wdt = f.up_proj.weight, f.w_down_t()
-    t = time_alternating({"per_row": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=(0.0, 0.0)),
-                          "union": lambda: kernels.twell_gated_ffn(x, gate, wu, wdt, union=rule)},
-                         x.device, reps=reps, warmup=3)
+    wg, wu, wdt = f.gate_proj.weight, f.up_proj.weight, f.w_down_t()
+
+    def run(union):
+        return lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, f.tile, f.compression, union=union)
+
+    t = time_alternating({"per_row": run((0.0, 0.0)), "union": run(rule)}, x.device, reps=reps, warmup=3)
     return t["per_row"].median_ms, t["union"].median_ms
 
 

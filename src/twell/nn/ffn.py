@@ -22,6 +22,13 @@ and chooses *how* through one interface:
   why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
   recomputed; measured 19x slower on a 23%-active model).
 
+A gated layer runs its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
+call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"auto"`` measuring):
+then the gate op and the fused op in turn. On the kernels both give the same bits while the spill
+area holds the tiles that overflow their slots (past it, tiles are recomputed: equal to rounding).
+The layer's TwELL uses compression 16 by default (``SPARSE_FFN_COMPRESSION``: 15 slots per
+256-column tile; 0.8-1.3% faster than the published 8 at nnz 8, csrc/NOTES.md session 18).
+
 ``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
 ``"twell-reference"`` or ``"twell-kernel"``. ``keep_gate=True`` keeps the last sparse forward's TwELL
 in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL and spill area hold
@@ -41,7 +48,7 @@ from torch import nn
 
 from twell.formats import check_tiling
 from twell.formats.twell import columns_limit
-from twell.reference.ffn import check_union_rule
+from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
@@ -97,7 +104,7 @@ class SparseFFN(nn.Module):
         bias: bool = False,
         path: str = "auto",
         tile: int = 256,
-        compression: int = 8,
+        compression: int = SPARSE_FFN_COMPRESSION,
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -244,7 +251,13 @@ class SparseFFN(nn.Module):
             self.auto_note = self._activity_note
             if self._auto_dense:
                 return self._dense(x)
-            return self._sparse(x, use_kernel=True, measure=self._auto_dense is None)
+            measure = self._auto_dense is None
+            if measure and torch.cuda.is_current_stream_capturing():
+                # Measuring reads a count back to the host, which a CUDA graph capture forbids: the
+                # captured call runs the kernels, and the first call outside a capture measures.
+                measure = False
+                self.auto_note = "auto: activity not measured yet (this call was captured in a CUDA graph)"
+            return self._sparse(x, use_kernel=True, measure=measure)
         # An explicit sparse path raises where "auto" would leave it.
         if self.has_bias():
             raise ValueError(self.BIAS_ERROR)
@@ -301,6 +314,10 @@ class SparseFFN(nn.Module):
         w = self.down_proj.weight
         key = (w.data_ptr(), w._version, w.device, w.dtype)
         if self._w_down_t is None or self._w_down_t_version != key:
+            if w.is_cuda and torch.cuda.is_current_stream_capturing():
+                # A capture records the copy without running it: a cached result would hold garbage
+                # until the first replay, so the graph makes its own copy and nothing is cached.
+                return w.detach().t().contiguous()
             self._w_down_t = w.detach().t().contiguous()
             self._w_down_t_version = key
         return self._w_down_t
@@ -325,7 +342,13 @@ class SparseFFN(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.gated:
+        if self.gated and not (measure or self.keep_gate):
+            # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
+            # kernel's last wave leaves idle (csrc/NOTES.md, v13).
+            gate = None
+            out = impl.sparse_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(),
+                                        self.tile, self.compression, union=self.union)
+        elif self.gated:  # the caller needs the TwELL: the gate op, then the fused op
             gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t(), union=self.union)
         else:

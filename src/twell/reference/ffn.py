@@ -108,11 +108,12 @@ def twell_ffn(act: TwELL, w_down_t: torch.Tensor) -> torch.Tensor:
 SPARSE_FFN_COMPRESSION = 16
 
 
-def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256,
-                     compression: int = SPARSE_FFN_COMPRESSION) -> torch.Tensor:
+def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION,
+                     union: Optional[tuple[float, float]] = None) -> torch.Tensor:
     """The whole sparse gated FFN: TwELL gate, then the fused up/down product (other compressions
-    agree to rounding: fuller tiles overflow to the dense fallback)."""
-    return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t)
+    agree to rounding: fuller tiles overflow to the dense fallback). ``union`` is checked as in
+    :func:`twell_gated_ffn` and does not change the result."""
+    return twell_gated_ffn(x, twell_gate(x, w_gate, tile, compression), w_up, w_down_t, union=union)
 
 
 def dense_gated_ffn(x, w_gate, w_up, w_down) -> torch.Tensor:
