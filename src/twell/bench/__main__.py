@@ -1,7 +1,9 @@
-"""``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn)."""
+"""``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn);
+``python -m twell.bench provenance FILE.json``: the commits whose code made a result (twell.bench.provenance)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -53,11 +55,41 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--real-M", type=int, help="tokens per real case (default 65536 on CUDA, 256 on CPU)")
     r.add_argument("--real-seq", type=int, help="sequence length (default: the model's context, at most 1024)")
     r.add_argument("--real-layers", nargs="+", type=int, help="SparseFFN layer indices (default: all)")
+    v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
+                       description="Recomputes the csrc and package digests of the newest commits from git and "
+                                   "lists those whose kernel sources match the JSON's (a run on the GPU machine "
+                                   "has no .git, so its digests are what ties it to a tree).")
+    v.add_argument("json", type=Path, help="a benchmark JSON (reports/bench/ffn-*.json)")
+    v.add_argument("--max-count", type=int, default=500, help="how many commits back to look (default 500)")
     return p
+
+
+def provenance_main(args: argparse.Namespace) -> int:
+    from twell.bench.provenance import code_line, matching_commits
+
+    try:
+        code = json.loads(args.json.read_text())["meta"].get("code")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"error: cannot read meta of {args.json}: {exc}") from None
+    if not code:
+        raise SystemExit(f"error: {args.json} records no code digests (written before they were added)")
+    print(code_line(code))
+    try:
+        found = matching_commits(code, max_count=args.max_count)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not found:
+        print(f"no commit among the newest {args.max_count} has these kernel sources")
+        return 1
+    for commit, subject, package in found:
+        print(f"{commit[:10]}  kernels {'and package ' if package else ''}match  {subject[:90]}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "provenance":
+        return provenance_main(args)
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     cfg = BenchConfig(

@@ -37,6 +37,7 @@ from twell.bench.captured import CapturedInputs, capture_ffn_inputs
 from twell.bench.energy import EnergyMeter, EnergyUnavailable
 from twell.bench.generator import FFNInputs, calibrated_ffn_inputs, gate_activation, sparsity_stats
 from twell.bench.memory import peak_memory_above_baseline
+from twell.bench.provenance import code_line, provenance
 from twell.bench.registry import ImplUnavailable, Registry, default_registry
 from twell.bench.timing import time_alternating
 from twell.reference import dense_gated_ffn
@@ -534,6 +535,7 @@ class BenchRunner:
             "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},
             "energy_note": self.energy_note,
             "argv": sys.argv,
+            "code": provenance(),  # which kernels and package made these numbers (twell.bench.provenance)
             "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
                        "whether the output landed in one" if dev.type == "cuda" else "n/a on CPU"),
         }
@@ -587,6 +589,8 @@ def markdown_report(result: dict) -> str:
     lines += [
              f"torch {meta['torch']}, CUDA {meta['cuda']}, clock: {meta['clock']}; "
              f"median of {meta['config']['reps']} reps; tolerance rel. error < {tol:g} vs dense bf16.", ""]
+    if meta.get("code"):
+        lines += [code_line(meta["code"]), ""]
     if meta["device"] == "cpu" or meta["device"].startswith("cpu"):
         lines += [f"> {CPU_NOTE}", ""]
     elif meta.get("protocol_deviations"):

@@ -1,0 +1,143 @@
+"""Which code made a benchmark result.
+
+A benchmark JSON records digests of the code it ran (``meta["code"]``): the kernel sources in csrc/
+and the Python package src/twell, each a hash of file names and contents only (no toolchain, no
+paths), plus the git commit when the run had a checkout. Runs on the GPU machine happen in a copy
+of the working tree without ``.git``, so the digests are what ties such a JSON to a tree:
+:func:`matching_commits` recomputes them from git objects and lists the commits that match.
+
+``python -m twell.bench provenance FILE.json`` prints that list.
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Iterable
+
+from twell.paths import repo_root
+
+KERNEL_SUFFIXES = (".cu", ".cpp", ".h", ".cuh", ".hpp", ".inl")  # what the extension is built from
+PARTS = {"csrc": ("csrc", KERNEL_SUFFIXES), "package": ("src/twell", (".py",))}
+
+
+def digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """16 hex chars of sha256 over (relative name, content) pairs, in name order."""
+    h = hashlib.sha256()
+    for name, data in sorted(files):
+        for part in (name.encode(), data):
+            h.update(f"{len(part)}:".encode())
+            h.update(part)
+    return h.hexdigest()[:16]
+
+
+def _selected(names: Iterable[str], prefix: str, suffixes: tuple[str, ...]) -> list[str]:
+    # csrc/ is flat (the extension takes csrc/*); the package is every module below src/twell.
+    flat = prefix == "csrc"
+    out = []
+    for n in names:
+        rel = n[len(prefix) + 1:] if n.startswith(prefix + "/") else None
+        if rel and n.endswith(suffixes) and (not flat or "/" not in rel) and "__pycache__" not in rel:
+            out.append(n)
+    return out
+
+
+def tree_digests(root: Path | None = None) -> dict[str, str]:
+    """Digests of csrc and the package as the files lie on disk under ``root`` (default: this checkout)."""
+    root = Path(root) if root is not None else repo_root()
+    out = {}
+    for key, (prefix, suffixes) in PARTS.items():
+        names = [p.relative_to(root).as_posix() for p in (root / prefix).rglob("*") if p.is_file()]
+        out[key] = digest((n, (root / n).read_bytes()) for n in _selected(names, prefix, suffixes))
+    return out
+
+
+def _git(root: Path, *args: str, binary: bool = False) -> str | bytes | None:
+    try:
+        res = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    return res.stdout if binary else res.stdout.decode().strip()
+
+
+def provenance(root: Path | None = None) -> dict:
+    """What ``meta["code"]`` of a benchmark JSON holds: the digests, the checkout's commit (None without
+    one) and whether the digested files equal that commit's (``matches_commit``; None without a commit)."""
+    root = Path(root) if root is not None else repo_root()
+    code = tree_digests(root)
+    commit = _git(root, "rev-parse", "HEAD") or None
+    same = None
+    if commit is not None:
+        try:
+            same = digests_at(commit, root) == code
+        except (ValueError, subprocess.SubprocessError):
+            same = None
+    return {**code, "commit": commit, "matches_commit": same}
+
+
+def _blob_lists(root: Path, commit: str) -> dict[str, list[tuple[str, str]]]:
+    """Per part, the (name, blob id) pairs of ``commit`` that the digest covers."""
+    out = {}
+    for key, (prefix, suffixes) in PARTS.items():
+        listing = _git(root, "ls-tree", "-r", commit, "--", prefix)
+        if listing is None:
+            raise ValueError(f"git cannot list {prefix} at {commit!r} in {root}")
+        blobs = dict(reversed(line.split("\t", 1)) for line in listing.splitlines())  # name -> "mode blob id"
+        out[key] = [(n, blobs[n].split()[2]) for n in _selected(blobs, prefix, suffixes)]
+    return out
+
+
+def _read_blobs(root: Path, ids: Iterable[str]) -> dict[str, bytes]:
+    """Contents of many blobs through one ``git cat-file --batch``."""
+    ids = sorted(set(ids))
+    if not ids:
+        return {}
+    res = subprocess.run(["git", "-C", str(root), "cat-file", "--batch"], input="\n".join(ids).encode() + b"\n",
+                         capture_output=True, timeout=120, check=True)
+    out, pos, data = {}, 0, res.stdout
+    for blob in ids:
+        end = data.index(b"\n", pos)
+        oid, kind, size = data[pos:end].decode().split()
+        if oid != blob or kind != "blob":
+            raise ValueError(f"git cat-file gave {kind} {oid} for blob {blob}")
+        pos = end + 1
+        out[blob] = data[pos:pos + int(size)]
+        pos += int(size) + 1  # the content, then a newline
+    return out
+
+
+def digests_at(commit: str, root: Path | None = None) -> dict[str, str]:
+    """The digests of :func:`tree_digests`, from the files of ``commit`` in git."""
+    root = Path(root) if root is not None else repo_root()
+    lists = _blob_lists(root, commit)
+    contents = _read_blobs(root, (b for pairs in lists.values() for _, b in pairs))
+    return {key: digest((n, contents[b]) for n, b in pairs) for key, pairs in lists.items()}
+
+
+def matching_commits(code: dict, root: Path | None = None, max_count: int = 500) -> list[tuple[str, str, bool]]:
+    """(commit, subject, package matches too) for the newest ``max_count`` commits whose csrc digest
+    equals ``code["csrc"]``, newest first."""
+    root = Path(root) if root is not None else repo_root()
+    log = _git(root, "log", f"--max-count={max_count}", "--format=%H %s")
+    if log is None:
+        raise ValueError(f"no git history in {root}")
+    commits = [line.partition(" ")[::2] for line in log.splitlines()]
+    lists = {c: _blob_lists(root, c) for c, _ in commits}
+    contents = _read_blobs(root, (b for parts in lists.values() for pairs in parts.values() for _, b in pairs))
+    out = []
+    for commit, subject in commits:
+        d = {key: digest((n, contents[b]) for n, b in pairs) for key, pairs in lists[commit].items()}
+        if d["csrc"] == code.get("csrc"):
+            out.append((commit, subject, d["package"] == code.get("package")))
+    return out
+
+
+def code_line(code: dict) -> str:
+    """One line for a report: the digests and what they say about the commit."""
+    where = ("no git checkout: `python -m twell.bench provenance` on the JSON finds the matching commits"
+             if code.get("commit") is None else
+             f"commit {code['commit'][:10]}" + {True: "", False: " with local changes",
+                                                None: " (unknown whether the files match it)"}[code.get("matches_commit")])
+    return f"Code: csrc {code.get('csrc')}, package {code.get('package')}; {where}."
