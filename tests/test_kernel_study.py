@@ -5,14 +5,17 @@ import copy
 import json
 import math
 import random
+import re
 import types
 
 import matplotlib
 
 matplotlib.use("Agg")
 
+import pandas as pd
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 import twell.reference as ref
@@ -237,6 +240,50 @@ def test_plot_speedup_marks_cases_ceiling_and_provenance(cpu_run, tmp_path):
     assert "NOT IN THIS RUN" in earlier._suptitle.get_text() and "ffn-x.json" in earlier._suptitle.get_text()
     with pytest.raises(ValueError, match="non-empty"):
         ks.plot_speedup(table.iloc[:0], cpu_run)
+
+
+def _value_label_boxes(fig):
+    """Display boxes of the figure's speedup labels ("2.74x", "layer1: 2.96x")."""
+    renderer = FigureCanvasAgg(fig).get_renderer() if not isinstance(fig.canvas, FigureCanvasAgg) else fig.canvas.get_renderer()
+    fig.draw_without_rendering()
+    texts = [t for t in fig.axes[0].texts if re.fullmatch(r"(\S+: )?\d+\.\d\dx", t.get_text())]
+    return [t.get_window_extent(renderer) for t in texts]
+
+
+def _overlapping(boxes):
+    return [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+
+
+def test_plot_speedup_labels_do_not_overlap_where_curves_coincide(cpu_run):
+    table = ks.speedup_table(cpu_run)
+    # Four curves of other M with the same speedups: every label wants the same place.
+    same = pd.concat([table.assign(M=table["M"] + k) for k in range(4)], ignore_index=True)
+    fig = ks.plot_speedup(same, cpu_run)
+    boxes = _value_label_boxes(fig)
+    assert len(boxes) == len(same)  # no M = 65536 in the run: every point is labelled
+    assert not _overlapping(boxes)
+    # The labels stay near their points (within the placement's reach plus the usual offset).
+    ax = fig.axes[0]
+    for t in (t for t in ax.texts if t.get_text().endswith("x")):
+        y_point = ax.transData.transform(t.xy)[1]
+        box = t.get_window_extent(fig.canvas.get_renderer())
+        assert abs((box.y0 + box.y1) / 2 - y_point) < 60
+
+
+REAL_JSON = repo_root() / "reports" / "bench" / "ffn-NVIDIA-H100-80GB-HBM3-20261125T152554Z-full-real-s29-H100.json"
+
+
+@pytest.mark.skipif(not REAL_JSON.is_file(), reason="committed H100 benchmark JSON with real layers not present")
+def test_plot_speedup_labels_of_a_full_run_with_real_layers_do_not_overlap():
+    run = ks.earlier_bench(REAL_JSON)
+    table = ks.speedup_table(run)
+    others = [ks.speedup_table(run, name) for name in ks.impl_names(run.result)[1:]]
+    fig = ks.plot_speedup(table, run, others=others)
+    boxes = _value_label_boxes(fig)
+    # The M = 65536 curve (the bar's shape) and every real layer, both implementations, carry values.
+    n_real = sum(int((t["shape"] == "real").sum()) for t in (table, *others))
+    assert len(boxes) == int(((table["shape"] == "inference") & (table["M"] == ks.BAR_M)).sum()) + n_real
+    assert not _overlapping(boxes)
 
 
 @pytest.mark.skipif(not H100_JSON.is_file(), reason="committed H100 benchmark JSON not present")

@@ -378,16 +378,81 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
 _M_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
 
 
-def _plot_real(ax, grp: pd.DataFrame, col: str, label: str, hollow: bool = False) -> None:
+def _plot_real(ax, grp: pd.DataFrame, col: str, label: str, hollow: bool = False) -> list:
     """A checkpoint's layers as diamonds, each with its speedup: filled for the implementation in the
-    title (labelled with the layer), hollow for another implementation (below the filled label)."""
+    title (labelled with the layer), hollow for another implementation (below the filled label).
+    Returns the value labels with their placing priority (see _place_labels)."""
     style = {"mfc": "white", "mew": 1.5} if hollow else {"mec": "black", "mew": 0.8}
     ax.plot(grp["nnz mean"], grp["speedup"], "D", color=col, ms=8, ls="none", label=label, **style)
-    for _, r in grp.iterrows():
-        if not math.isnan(r["speedup"]):
-            text = f"{r['speedup']:.2f}x" if hollow else f"{r['case']}: {r['speedup']:.2f}x"
-            ax.annotate(text, (r["nnz mean"], r["speedup"]), xytext=(7, -10) if hollow else (7, 4),
-                        textcoords="offset points", fontsize=8, color=col)
+    return [(2 if hollow else 1,
+             _value_label(ax, f"{r['speedup']:.2f}x" if hollow else f"{r['case']}: {r['speedup']:.2f}x",
+                          (r["nnz mean"], r["speedup"]), (7, -10) if hollow else (7, 4), col))
+            for _, r in grp.iterrows() if not math.isnan(r["speedup"])]
+
+
+def _value_label(ax, text: str, xy, offset, color: str, ha: str = "left"):
+    """A speedup label beside its point (offset in points), left out of the layout so that moving it
+    later (_place_labels) cannot resize the axes."""
+    ann = ax.annotate(text, xy, xytext=offset, textcoords="offset points", fontsize=8, color=color, ha=ha)
+    ann.set_in_layout(False)
+    return ann
+
+
+def _marker_boxes(ax) -> list:
+    """Display boxes of every drawn marker (data points, bar ticks): places labels must not cover."""
+    from matplotlib.transforms import Bbox
+
+    boxes = []
+    for line in ax.lines:
+        if line.get_marker() in (None, "None", "", " ") or not len(line.get_xdata()):
+            continue
+        half = line.get_markersize() * ax.figure.dpi / 72.0 / 2
+        for x, y in ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata()))):
+            boxes.append(Bbox([[x - half, y - half], [x + half, y + half]]))
+    return boxes
+
+
+def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float = 2.0, reach_px: float = 30.0,
+                  flip_cost_px: float = 12.0) -> None:
+    """Moves value labels off each other and off the markers. Curves of different M often share a
+    speedup to two decimals, and real layers sit close together, so labels at their usual offsets
+    collide. In order of ``labels``' priorities (lower first: the generator's curve before the real
+    layers), from the highest point down, each label takes the nearest free position: up to
+    ``reach_px`` above or below its usual one, on its usual side of the point or, at a cost of
+    ``flip_cost_px``, mirrored to the other side. Where none is free it keeps the one that overlaps least."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not labels:
+        return
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    fig.draw_without_rendering()  # final axes position (constrained layout)
+    renderer = canvas.get_renderer()
+    to_points = 72.0 / fig.dpi
+    taken = _marker_boxes(labels[0][1].axes)
+
+    def overlap(box) -> float:
+        return sum(max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0)) * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0))
+                   for b in taken)
+
+    n = int(reach_px / step_px)
+    shifts = [0.0] + [sign * k * step_px for k in range(1, n + 1) for sign in (-1, 1)]
+    for _, ann in sorted(labels, key=lambda pa: (pa[0], -pa[1].axes.transData.transform(pa[1].xy)[1])):
+        box = ann.get_window_extent(renderer)
+        anchor_x = ann.axes.transData.transform(ann.xy)[0]
+        mirror_dx = 2 * (anchor_x - (box.x0 + box.x1) / 2)  # the same box on the point's other side
+        options = [(dy, flip) for flip in (False, True) for dy in shifts]
+
+        def cost(option):
+            dy, flip = option
+            area = overlap(box.translated(mirror_dx if flip else 0.0, dy))
+            return area > 0, area, abs(dy) + (flip_cost_px if flip else 0.0)
+
+        dy, flip = min(options, key=cost)
+        dx0, dy0 = ann.xyann
+        if flip:
+            ann.set_horizontalalignment({"left": "right", "right": "left"}.get(ann.get_horizontalalignment(), "center"))
+        ann.xyann = (-dx0 if flip else dx0, dy0 + dy * to_points)
+        taken.append(box.translated(mirror_dx if flip else 0.0, dy))
 
 
 def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFrame] = ()) -> Figure:
@@ -403,28 +468,35 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     ax = fig.subplots()
     keys = sorted({(r["shape"], int(r["M"])) for _, r in table.iterrows()}, key=lambda k: (k[0] != "inference", k[1]))
     color = {k: _M_COLORS[i % len(_M_COLORS)] for i, k in enumerate(keys)}
+    values = []  # value labels, moved apart once the axes are final
+    # Curves of different M lie on top of each other: with the bar's M in the run only its curve carries
+    # values (the saved table has them all), so that each label sits beside its own point.
+    only_bar_m = any(shape == "inference" and M == BAR_M for shape, M in keys)
     for (shape, M), grp in table.groupby(["shape", "M"]):
         grp = grp.sort_values("nnz mean")
         col = color[(shape, int(M))]
         if shape == "real":  # layers of a checkpoint: separate points, not a curve over nnz
-            _plot_real(ax, grp, col, f"real inputs (checkpoint layers), M = {M}")
+            values += _plot_real(ax, grp, col, f"real inputs (checkpoint layers), M = {M}")
         else:
             light, heavy = grp[grp["case"] != HEAVY_CASE], grp[grp["case"] == HEAVY_CASE]
             label = f"this work, M = {M}" + (f" (odd shape, H = {int(grp['H'].iloc[0])})" if shape == "odd" else "")
+            with_values = not only_bar_m or (shape == "inference" and M == BAR_M)
+            if only_bar_m and with_values:
+                label += " (values shown)"
             ax.plot(light["nnz mean"], light["speedup"], "o-", color=col, ms=8, lw=1.5, label=label)
             ax.plot(heavy["nnz mean"], heavy["speedup"], "*", color=col, ms=17, mec="black", mew=0.8, ls="none")
             for _, r in grp.iterrows():
-                if not math.isnan(r["speedup"]):
+                if with_values and not math.isnan(r["speedup"]):
                     left = r["case"] == HEAVY_CASE  # heavy tail shares x with nnz 29: label on the other side
-                    ax.annotate(f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]), xytext=(-10 if left else 7, -3),
-                                textcoords="offset points", fontsize=8, color=col, ha="right" if left else "left")
+                    values.append((0, _value_label(ax, f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]),
+                                                   (-10 if left else 7, -3), col, ha="right" if left else "left")))
         wrong = grp[grp["correct"] != "yes"]
         ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
     others_real = [o[o["shape"] == "real"] for o in others]  # only their real layers are drawn
     for real in others_real:
         for M, grp in real.groupby("M"):
             col = color.get(("real", int(M)), "tab:brown")
-            _plot_real(ax, grp, col, f"real inputs, {grp['impl'].iloc[0]}, M = {M}", hollow=True)
+            values += _plot_real(ax, grp, col, f"real inputs, {grp['impl'].iloc[0]}, M = {M}", hollow=True)
             wrong = grp[grp["correct"] != "yes"]
             ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
     ceiling = float(table["ceiling"].median())
@@ -467,4 +539,5 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     ax.set_title(f"Sparse gated FFN ({impl}) vs dense, D = 2048, bf16", fontsize=12)
     fig.suptitle(run.banner(sep="\n"), fontsize=11, color="black" if run.this_run else "red",
                  fontweight="normal" if run.this_run else "bold")
+    _place_labels(fig, values)
     return fig
