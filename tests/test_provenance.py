@@ -88,7 +88,7 @@ def test_cli_reads_a_result_and_rejects_one_without_digests(tmp_path, capsys):
     assert meta["code"] == pv.provenance()  # this checkout, unchanged since the run
     assert pv.code_line(meta["code"]) in js.with_suffix(".md").read_text()
     capsys.readouterr()
-    if meta["code"]["commit"] is None:  # a copy of the tree without .git (as on the GPU machine)
+    if meta["code"]["commit"] is None:  # a copy of the tree without .git
         with pytest.raises(SystemExit, match="no git history"):
             bench_main(["provenance", str(js)])
     else:

@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--real-layers", nargs="+", type=int, help="SparseFFN layer indices (default: all)")
     v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
                        description="Recomputes the csrc and package digests of the newest commits from git and "
-                                   "lists those whose kernel sources match the JSON's (a run on the GPU machine "
-                                   "has no .git, so its digests are what ties it to a tree).")
+                                   "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
+                                   "on the GPU machine, may record no commit or an older one: the digests are what "
+                                   "ties it to a tree).")
     v.add_argument("json", type=Path, help="a benchmark JSON (reports/bench/ffn-*.json)")
     v.add_argument("--max-count", type=int, default=500, help="how many commits back to look (default 500)")
     return p

@@ -2,9 +2,11 @@
 
 A benchmark JSON records digests of the code it ran (``meta["code"]``): the kernel sources in csrc/
 and the Python package src/twell, each a hash of file names and contents only (no toolchain, no
-paths), plus the git commit when the run had a checkout. Runs on the GPU machine happen in a copy
-of the working tree without ``.git``, so the digests are what ties such a JSON to a tree:
-:func:`matching_commits` recomputes them from git objects and lists the commits that match.
+paths), plus the checkout's commit and whether the files equal it. That commit is no proof of what
+ran: the copy of the working tree on the GPU machine carried an older ``.git`` (session 30: the last
+landed commit, with the session's changes as "local changes"), and a copy may have none. The
+digests are what ties a JSON to a tree: :func:`matching_commits` recomputes them from git objects
+and lists the commits that match.
 
 ``python -m twell.bench provenance FILE.json`` prints that list.
 """
