@@ -254,20 +254,34 @@ def _overlapping(boxes):
     return [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
 
 
+def _assert_labels_clear(fig):
+    """No value label on another, on a caption or the legend, or outside the axes."""
+    boxes = _value_label_boxes(fig)
+    assert not _overlapping(boxes)
+    ax, renderer = fig.axes[0], fig.canvas.get_renderer()
+    others = [t.get_window_extent(renderer) for t in ax.texts
+              if not re.fullmatch(r"(\S+: )?\d+\.\d\dx", t.get_text())]
+    others.append(ax.get_legend().get_window_extent(renderer))
+    frame = ax.get_window_extent(renderer)
+    for b in boxes:
+        assert not any(b.overlaps(o) for o in others)
+        assert frame.x0 - 1 <= b.x0 and b.x1 <= frame.x1 + 1 and frame.y0 - 1 <= b.y0 and b.y1 <= frame.y1 + 1
+    return boxes
+
+
 def test_plot_speedup_labels_do_not_overlap_where_curves_coincide(cpu_run):
     table = ks.speedup_table(cpu_run)
     # Four curves of other M with the same speedups: every label wants the same place.
     same = pd.concat([table.assign(M=table["M"] + k) for k in range(4)], ignore_index=True)
     fig = ks.plot_speedup(same, cpu_run)
-    boxes = _value_label_boxes(fig)
+    boxes = _assert_labels_clear(fig)
     assert len(boxes) == len(same)  # no M = 65536 in the run: every point is labelled
-    assert not _overlapping(boxes)
     # The labels stay near their points (within the placement's reach plus the usual offset).
     ax = fig.axes[0]
     for t in (t for t in ax.texts if t.get_text().endswith("x")):
         y_point = ax.transData.transform(t.xy)[1]
         box = t.get_window_extent(fig.canvas.get_renderer())
-        assert abs((box.y0 + box.y1) / 2 - y_point) < 60
+        assert abs((box.y0 + box.y1) / 2 - y_point) < 130
 
 
 REAL_JSON = repo_root() / "reports" / "bench" / "ffn-NVIDIA-H100-80GB-HBM3-20261125T152554Z-full-real-s29-H100.json"
@@ -279,11 +293,16 @@ def test_plot_speedup_labels_of_a_full_run_with_real_layers_do_not_overlap():
     table = ks.speedup_table(run)
     others = [ks.speedup_table(run, name) for name in ks.impl_names(run.result)[1:]]
     fig = ks.plot_speedup(table, run, others=others)
-    boxes = _value_label_boxes(fig)
+    boxes = _assert_labels_clear(fig)
     # The M = 65536 curve (the bar's shape) and every real layer, both implementations, carry values.
     n_real = sum(int((t["shape"] == "real").sum()) for t in (table, *others))
     assert len(boxes) == int(((table["shape"] == "inference") & (table["M"] == ks.BAR_M)).sum()) + n_real
-    assert not _overlapping(boxes)
+    # Real layers near the ceiling caption and at the right edge: labels keep clear of both.
+    edge = table.copy()
+    real = edge["shape"] == "real"
+    edge.loc[real, "speedup"] = [3.5, 3.53, 3.57, 3.6][:int(real.sum())]
+    edge.loc[real, "nnz mean"] = [62.0, 63.5, 64.5, 65.0][:int(real.sum())]
+    _assert_labels_clear(ks.plot_speedup(edge, run, others=others))
 
 
 @pytest.mark.skipif(not H100_JSON.is_file(), reason="committed H100 benchmark JSON not present")

@@ -80,6 +80,31 @@ def test_provenance_and_matching_commits_in_a_repository(tmp_path):
     assert pv.matching_commits(code1, tmp_path, max_count=1) == []
 
 
+def test_names_git_quotes_symlinks_and_crlf_digest_as_in_git(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _tree(tmp_path, {**BASE, "src/twell/modé.py": "y = 1", "src/twell/a\tb.py": "z = 1", ".gitattributes": "* text=auto\n"})
+    (tmp_path / "csrc/crlf.cuh").write_bytes(b"line 1\r\nline 2\r\n")  # git stores LF (text=auto)
+    (tmp_path / "src/twell/link.py").symlink_to("m/mod.py")
+    commit = _commit(tmp_path, "odd files")
+    assert _git(tmp_path, "cat-file", "-p", f"{commit}:csrc/crlf.cuh") == "line 1\nline 2"
+    code = pv.provenance(tmp_path)
+    assert code["matches_commit"] is True, (code, pv.digests_at(commit, tmp_path))
+    assert pv.matching_commits(code, tmp_path) == [(commit, "odd files", True)]
+    # The odd names are in the digest: removing one changes it.
+    (tmp_path / "src/twell/a\tb.py").unlink()
+    assert pv.provenance(tmp_path)["matches_commit"] is False
+
+
+def test_a_tree_inside_another_checkout_records_no_commit(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _tree(tmp_path, {"README": "outer"})
+    _commit(tmp_path, "outer")
+    inner = tmp_path / "copy"
+    _tree(inner, BASE)
+    code = pv.provenance(inner)
+    assert code["commit"] is None and code["matches_commit"] is None
+
+
 def test_cli_reads_a_result_and_rejects_one_without_digests(tmp_path, capsys):
     assert bench_main(["ffn", "--shapes", "odd", "--cases", "nnz8", "--D", "64", "--odd-M", "20", "--odd-H", "100",
                        "--reps", "1", "--out", str(tmp_path), "--quiet", "--tag", "p"]) == 0
@@ -95,8 +120,11 @@ def test_cli_reads_a_result_and_rejects_one_without_digests(tmp_path, capsys):
         code = bench_main(["provenance", str(js)])
         out = capsys.readouterr().out
         assert out.startswith(pv.code_line(meta["code"]))
-        # With these kernels in the history the commits are listed; with uncommitted kernel edits, none.
-        assert (code == 0 and "kernels" in out) or (code == 1 and "no commit" in out)
+        # HEAD's kernels are these unless csrc has uncommitted edits: then no commit may be listed.
+        if pv.digests_at("HEAD")["csrc"] == meta["code"]["csrc"]:
+            assert code == 0 and f"{meta['code']['commit'][:10]}  kernels" in out
+        else:
+            assert code == 1 and "no commit" in out
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"meta": {"timestamp": "t"}}))
     with pytest.raises(SystemExit, match="no code digests"):

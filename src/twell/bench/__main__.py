@@ -70,9 +70,9 @@ def provenance_main(args: argparse.Namespace) -> int:
 
     try:
         code = json.loads(args.json.read_text())["meta"].get("code")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"error: cannot read meta of {args.json}: {exc}") from None
-    if not code:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"error: cannot read meta of {args.json}: {exc!r}") from None
+    if not isinstance(code, dict) or not code.get("csrc"):
         raise SystemExit(f"error: {args.json} records no code digests (written before they were added)")
     print(code_line(code))
     try:

@@ -474,6 +474,7 @@ class BenchRunner:
         so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
         """
         started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self._code = provenance()  # the code as the run starts; later edits must not relabel its numbers
         cases = build_cases(self.cfg, self.capture())
         records = []
         bar = None
@@ -535,7 +536,8 @@ class BenchRunner:
             "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},
             "energy_note": self.energy_note,
             "argv": sys.argv,
-            "code": provenance(),  # which kernels and package made these numbers (twell.bench.provenance)
+            # Which kernels and package made these numbers (twell.bench.provenance).
+            "code": getattr(self, "_code", None) or provenance(),
             "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
                        "whether the output landed in one" if dev.type == "cuda" else "n/a on CPU"),
         }

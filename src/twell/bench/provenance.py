@@ -13,6 +13,7 @@ and lists the commits that match.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 from typing import Iterable
@@ -24,10 +25,11 @@ PARTS = {"csrc": ("csrc", KERNEL_SUFFIXES), "package": ("src/twell", (".py",))}
 
 
 def digest(files: Iterable[tuple[str, bytes]]) -> str:
-    """16 hex chars of sha256 over (relative name, content) pairs, in name order."""
+    """16 hex chars of sha256 over (relative name, content) pairs, in name order. CRLF counts as LF, so
+    a checkout that converts line ends digests as git's objects do."""
     h = hashlib.sha256()
     for name, data in sorted(files):
-        for part in (name.encode(), data):
+        for part in (name.encode("utf-8", "surrogateescape"), data.replace(b"\r\n", b"\n")):
             h.update(f"{len(part)}:".encode())
             h.update(part)
     return h.hexdigest()[:16]
@@ -49,9 +51,14 @@ def tree_digests(root: Path | None = None) -> dict[str, str]:
     root = Path(root) if root is not None else repo_root()
     out = {}
     for key, (prefix, suffixes) in PARTS.items():
-        names = [p.relative_to(root).as_posix() for p in (root / prefix).rglob("*") if p.is_file()]
-        out[key] = digest((n, (root / n).read_bytes()) for n in _selected(names, prefix, suffixes))
+        names = [p.relative_to(root).as_posix() for p in (root / prefix).rglob("*") if p.is_file() or p.is_symlink()]
+        out[key] = digest((n, _disk_bytes(root / n)) for n in _selected(names, prefix, suffixes))
     return out
+
+
+def _disk_bytes(path: Path) -> bytes:
+    # git stores a symbolic link as the path it points to, not as the target's content.
+    return os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
 
 
 def _git(root: Path, *args: str, binary: bool = False) -> str | bytes | None:
@@ -69,7 +76,10 @@ def provenance(root: Path | None = None) -> dict:
     one) and whether the digested files equal that commit's (``matches_commit``; None without a commit)."""
     root = Path(root) if root is not None else repo_root()
     code = tree_digests(root)
-    commit = _git(root, "rev-parse", "HEAD") or None
+    # Only a repository whose top is this tree: a copy inside another checkout is not that checkout.
+    top = _git(root, "rev-parse", "--show-toplevel")
+    commit = _git(root, "rev-parse", "HEAD") if top and Path(top).resolve() == root.resolve() else None
+    commit = commit or None
     same = None
     if commit is not None:
         try:
@@ -83,11 +93,16 @@ def _blob_lists(root: Path, commit: str) -> dict[str, list[tuple[str, str]]]:
     """Per part, the (name, blob id) pairs of ``commit`` that the digest covers."""
     out = {}
     for key, (prefix, suffixes) in PARTS.items():
-        listing = _git(root, "ls-tree", "-r", commit, "--", prefix)
+        listing = _git(root, "ls-tree", "-r", "-z", commit, "--", prefix, binary=True)
         if listing is None:
             raise ValueError(f"git cannot list {prefix} at {commit!r} in {root}")
-        blobs = dict(reversed(line.split("\t", 1)) for line in listing.splitlines())  # name -> "mode blob id"
-        out[key] = [(n, blobs[n].split()[2]) for n in _selected(blobs, prefix, suffixes)]
+        blobs = {}  # name -> blob id; -z: names unquoted, entries "mode type id\tname\0"
+        for entry in listing.decode("utf-8", "surrogateescape").split("\0"):
+            if entry:
+                info, name = entry.split("\t", 1)
+                if info.split()[1] == "blob":
+                    blobs[name] = info.split()[2]
+        out[key] = [(n, blobs[n]) for n in _selected(blobs, prefix, suffixes)]
     return out
 
 
@@ -96,14 +111,18 @@ def _read_blobs(root: Path, ids: Iterable[str]) -> dict[str, bytes]:
     ids = sorted(set(ids))
     if not ids:
         return {}
-    res = subprocess.run(["git", "-C", str(root), "cat-file", "--batch"], input="\n".join(ids).encode() + b"\n",
-                         capture_output=True, timeout=120, check=True)
+    try:
+        res = subprocess.run(["git", "-C", str(root), "cat-file", "--batch"], input="\n".join(ids).encode() + b"\n",
+                             capture_output=True, timeout=120, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"git cat-file failed in {root}: {exc}") from None
     out, pos, data = {}, 0, res.stdout
     for blob in ids:
-        end = data.index(b"\n", pos)
-        oid, kind, size = data[pos:end].decode().split()
-        if oid != blob or kind != "blob":
-            raise ValueError(f"git cat-file gave {kind} {oid} for blob {blob}")
+        end = data.find(b"\n", pos)
+        head = data[pos:end].decode(errors="replace").split() if end >= 0 else []
+        if len(head) != 3 or head[0] != blob or head[1] != "blob":
+            raise ValueError(f"git cat-file has no blob {blob} in {root} (answered {' '.join(head) or 'nothing'})")
+        oid, kind, size = head
         pos = end + 1
         out[blob] = data[pos:pos + int(size)]
         pos += int(size) + 1  # the content, then a newline

@@ -406,15 +406,21 @@ def _marker_boxes(ax) -> list:
     for line in ax.lines:
         if line.get_marker() in (None, "None", "", " ") or not len(line.get_xdata()):
             continue
-        half = line.get_markersize() * ax.figure.dpi / 72.0 / 2
+        px = ax.figure.dpi / 72.0
+        w = h = line.get_markersize() * px
+        if line.get_marker() == "_":  # a tick (the bars): as thick as its edge
+            h = max(line.get_markeredgewidth() * px, 1.0)
+        elif line.get_marker() == "|":
+            w = max(line.get_markeredgewidth() * px, 1.0)
         for x, y in ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata()))):
-            boxes.append(Bbox([[x - half, y - half], [x + half, y + half]]))
+            boxes.append(Bbox([[x - w / 2, y - h / 2], [x + w / 2, y + h / 2]]))
     return boxes
 
 
-def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float = 2.0, reach_px: float = 30.0,
+def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float = 2.0, reach_px: float = 120.0,
                   flip_cost_px: float = 12.0) -> None:
-    """Moves value labels off each other and off the markers. Curves of different M often share a
+    """Moves value labels off each other, the markers, the other texts and the legend, and keeps them
+    inside the axes. Curves of different M often share a
     speedup to two decimals, and real layers sit close together, so labels at their usual offsets
     collide. In order of ``labels``' priorities (lower first: the generator's curve before the real
     layers), from the highest point down, each label takes the nearest free position: up to
@@ -428,11 +434,18 @@ def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float 
     fig.draw_without_rendering()  # final axes position (constrained layout)
     renderer = canvas.get_renderer()
     to_points = 72.0 / fig.dpi
-    taken = _marker_boxes(labels[0][1].axes)
+    ax = labels[0][1].axes
+    ours = {id(a) for _, a in labels}
+    taken = _marker_boxes(ax) + [t.get_window_extent(renderer) for t in ax.texts if id(t) not in ours]
+    if ax.get_legend() is not None:
+        taken.append(ax.get_legend().get_window_extent(renderer))
+    frame = ax.get_window_extent(renderer)
 
-    def overlap(box) -> float:
-        return sum(max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0)) * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0))
-                   for b in taken)
+    def common(a, b) -> float:
+        return max(0.0, min(a.x1, b.x1) - max(a.x0, b.x0)) * max(0.0, min(a.y1, b.y1) - max(a.y0, b.y0))
+
+    def overlap(box) -> float:  # area on other things, plus area outside the axes
+        return sum(common(box, b) for b in taken) + box.width * box.height - common(box, frame)
 
     n = int(reach_px / step_px)
     shifts = [0.0] + [sign * k * step_px for k in range(1, n + 1) for sign in (-1, 1)]
