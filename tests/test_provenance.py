@@ -1,11 +1,15 @@
 """Code digests in benchmark results (twell.bench.provenance) and the CLI that maps them to commits."""
 import json
+import shutil
 import subprocess
 
 import pytest
 
 from twell.bench import provenance as pv
 from twell.bench.__main__ import main as bench_main
+
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
 
 
 def _git(root, *args):
@@ -60,6 +64,7 @@ def test_provenance_without_git(tmp_path):
     assert "no git checkout" in pv.code_line(code)
 
 
+@needs_git
 def test_provenance_and_matching_commits_in_a_repository(tmp_path):
     _git(tmp_path, "init", "-q")
     _tree(tmp_path, BASE)
@@ -80,6 +85,7 @@ def test_provenance_and_matching_commits_in_a_repository(tmp_path):
     assert pv.matching_commits(code1, tmp_path, max_count=1) == []
 
 
+@needs_git
 def test_names_git_quotes_symlinks_and_crlf_digest_as_in_git(tmp_path):
     _git(tmp_path, "init", "-q")
     _tree(tmp_path, {**BASE, "src/twell/modé.py": "y = 1", "src/twell/a\tb.py": "z = 1", ".gitattributes": "* text=auto\n"})
@@ -95,6 +101,7 @@ def test_names_git_quotes_symlinks_and_crlf_digest_as_in_git(tmp_path):
     assert pv.provenance(tmp_path)["matches_commit"] is False
 
 
+@needs_git
 def test_a_tree_inside_another_checkout_records_no_commit(tmp_path):
     _git(tmp_path, "init", "-q")
     _tree(tmp_path, {"README": "outer"})
