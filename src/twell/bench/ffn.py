@@ -283,6 +283,7 @@ class BenchRunner:
         self.cfg = self.cfg.resolved()
         check_config(self.cfg)
         self.captured: CapturedInputs | None = None
+        self.code: dict | None = None  # twell.bench.provenance of the code, taken when run() starts
         self.device = torch.device(self.cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -474,7 +475,7 @@ class BenchRunner:
         so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
         """
         started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        self._code = provenance()  # the code as the run starts; later edits must not relabel its numbers
+        self.code = provenance()  # the code as the run starts; later edits must not relabel its numbers
         cases = build_cases(self.cfg, self.capture())
         records = []
         bar = None
@@ -536,8 +537,7 @@ class BenchRunner:
             "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},
             "energy_note": self.energy_note,
             "argv": sys.argv,
-            # Which kernels and package made these numbers (twell.bench.provenance).
-            "code": getattr(self, "_code", None) or provenance(),
+            "code": self.code or provenance(),  # which kernels and package made these numbers
             "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
                        "whether the output landed in one" if dev.type == "cuda" else "n/a on CPU"),
         }

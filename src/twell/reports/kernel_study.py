@@ -402,11 +402,10 @@ def _marker_boxes(ax) -> list:
     """Display boxes of every drawn marker (data points, bar ticks): places labels must not cover."""
     from matplotlib.transforms import Bbox
 
-    boxes = []
+    boxes, px = [], ax.figure.dpi / 72.0
     for line in ax.lines:
         if line.get_marker() in (None, "None", "", " ") or not len(line.get_xdata()):
             continue
-        px = ax.figure.dpi / 72.0
         w = h = line.get_markersize() * px
         if line.get_marker() == "_":  # a tick (the bars): as thick as its edge
             h = max(line.get_markeredgewidth() * px, 1.0)
@@ -420,9 +419,8 @@ def _marker_boxes(ax) -> list:
 def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float = 2.0, reach_px: float = 120.0,
                   flip_cost_px: float = 12.0) -> None:
     """Moves value labels off each other, the markers, the other texts and the legend, and keeps them
-    inside the axes. Curves of different M often share a
-    speedup to two decimals, and real layers sit close together, so labels at their usual offsets
-    collide. In order of ``labels``' priorities (lower first: the generator's curve before the real
+    inside the axes. Curves of different M often share a speedup to two decimals, and real layers sit
+    close together, so labels at their usual offsets collide. In order of ``labels``' priorities (lower first: the generator's curve before the real
     layers), from the highest point down, each label takes the nearest free position: up to
     ``reach_px`` above or below its usual one, on its usual side of the point or, at a cost of
     ``flip_cost_px``, mirrored to the other side. Where none is free it keeps the one that overlaps least."""
@@ -453,19 +451,18 @@ def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float 
         box = ann.get_window_extent(renderer)
         anchor_x = ann.axes.transData.transform(ann.xy)[0]
         mirror_dx = 2 * (anchor_x - (box.x0 + box.x1) / 2)  # the same box on the point's other side
-        options = [(dy, flip) for flip in (False, True) for dy in shifts]
+        options = [(box.translated(mirror_dx if flip else 0.0, dy), dy, flip) for flip in (False, True) for dy in shifts]
 
         def cost(option):
-            dy, flip = option
-            area = overlap(box.translated(mirror_dx if flip else 0.0, dy))
-            return area > 0, area, abs(dy) + (flip_cost_px if flip else 0.0)
+            area = overlap(option[0])
+            return area > 0, area, abs(option[1]) + (flip_cost_px if option[2] else 0.0)
 
-        dy, flip = min(options, key=cost)
+        placed, dy, flip = min(options, key=cost)
         dx0, dy0 = ann.xyann
         if flip:
             ann.set_horizontalalignment({"left": "right", "right": "left"}.get(ann.get_horizontalalignment(), "center"))
         ann.xyann = (-dx0 if flip else dx0, dy0 + dy * to_points)
-        taken.append(box.translated(mirror_dx if flip else 0.0, dy))
+        taken.append(placed)
 
 
 def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFrame] = ()) -> Figure:
