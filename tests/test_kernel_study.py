@@ -242,11 +242,14 @@ def test_plot_speedup_marks_cases_ceiling_and_provenance(cpu_run, tmp_path):
         ks.plot_speedup(table.iloc[:0], cpu_run)
 
 
+VALUE_LABEL = re.compile(r"(\S+: )?\d+\.\d\dx")  # a speedup label: "2.74x", "layer1: 2.96x"
+
+
 def _value_label_boxes(fig):
     """Display boxes of the figure's speedup labels ("2.74x", "layer1: 2.96x")."""
     renderer = FigureCanvasAgg(fig).get_renderer() if not isinstance(fig.canvas, FigureCanvasAgg) else fig.canvas.get_renderer()
     fig.draw_without_rendering()
-    texts = [t for t in fig.axes[0].texts if re.fullmatch(r"(\S+: )?\d+\.\d\dx", t.get_text())]
+    texts = [t for t in fig.axes[0].texts if VALUE_LABEL.fullmatch(t.get_text())]
     return [t.get_window_extent(renderer) for t in texts]
 
 
@@ -260,7 +263,7 @@ def _assert_labels_clear(fig):
     assert not _overlapping(boxes)
     ax, renderer = fig.axes[0], fig.canvas.get_renderer()
     others = [t.get_window_extent(renderer) for t in ax.texts
-              if not re.fullmatch(r"(\S+: )?\d+\.\d\dx", t.get_text())]
+              if not VALUE_LABEL.fullmatch(t.get_text())]
     others.append(ax.get_legend().get_window_extent(renderer))
     frame = ax.get_window_extent(renderer)
     for b in boxes:

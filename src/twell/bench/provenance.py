@@ -18,9 +18,10 @@ import subprocess
 from pathlib import Path
 from typing import Iterable
 
+from twell.kernels.build import HEADER_SUFFIXES, SOURCE_SUFFIXES
 from twell.paths import repo_root
 
-KERNEL_SUFFIXES = (".cu", ".cpp", ".h", ".cuh", ".hpp", ".inl")  # what the extension is built from
+KERNEL_SUFFIXES = SOURCE_SUFFIXES + HEADER_SUFFIXES  # what the extension is built from
 PARTS = {"csrc": ("csrc", KERNEL_SUFFIXES), "package": ("src/twell", (".py",))}
 
 
@@ -78,8 +79,7 @@ def provenance(root: Path | None = None) -> dict:
     code = tree_digests(root)
     # Only a repository whose top is this tree: a copy inside another checkout is not that checkout.
     top = _git(root, "rev-parse", "--show-toplevel")
-    commit = _git(root, "rev-parse", "HEAD") if top and Path(top).resolve() == root.resolve() else None
-    commit = commit or None
+    commit = (_git(root, "rev-parse", "HEAD") if top and Path(top).resolve() == root.resolve() else None) or None
     same = None
     if commit is not None:
         try:
@@ -100,8 +100,9 @@ def _blob_lists(root: Path, commit: str) -> dict[str, list[tuple[str, str]]]:
         for entry in listing.decode("utf-8", "surrogateescape").split("\0"):
             if entry:
                 info, name = entry.split("\t", 1)
-                if info.split()[1] == "blob":
-                    blobs[name] = info.split()[2]
+                _, kind, blob = info.split()
+                if kind == "blob":
+                    blobs[name] = blob
         out[key] = [(n, blobs[n]) for n in _selected(blobs, prefix, suffixes)]
     return out
 
@@ -129,12 +130,16 @@ def _read_blobs(root: Path, ids: Iterable[str]) -> dict[str, bytes]:
     return out
 
 
+def _digests(lists: dict[str, list[tuple[str, str]]], contents: dict[str, bytes]) -> dict[str, str]:
+    """Per part, the digest of its (name, blob id) pairs, given the blobs' contents."""
+    return {key: digest((n, contents[b]) for n, b in pairs) for key, pairs in lists.items()}
+
+
 def digests_at(commit: str, root: Path | None = None) -> dict[str, str]:
     """The digests of :func:`tree_digests`, from the files of ``commit`` in git."""
     root = Path(root) if root is not None else repo_root()
     lists = _blob_lists(root, commit)
-    contents = _read_blobs(root, (b for pairs in lists.values() for _, b in pairs))
-    return {key: digest((n, contents[b]) for n, b in pairs) for key, pairs in lists.items()}
+    return _digests(lists, _read_blobs(root, (b for pairs in lists.values() for _, b in pairs)))
 
 
 def matching_commits(code: dict, root: Path | None = None, max_count: int = 500) -> list[tuple[str, str, bool]]:
@@ -149,7 +154,7 @@ def matching_commits(code: dict, root: Path | None = None, max_count: int = 500)
     contents = _read_blobs(root, (b for parts in lists.values() for pairs in parts.values() for _, b in pairs))
     out = []
     for commit, subject in commits:
-        d = {key: digest((n, contents[b]) for n, b in pairs) for key, pairs in lists[commit].items()}
+        d = _digests(lists[commit], contents)
         if d["csrc"] == code.get("csrc"):
             out.append((commit, subject, d["package"] == code.get("package")))
     return out

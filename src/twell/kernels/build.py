@@ -49,6 +49,7 @@ TORCH_NVCC_DEFINES: tuple[str, ...] = (
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr",
 )
 EXTENSION_NAME = "twell_kernels"
+SOURCE_SUFFIXES = (".cu", ".cpp")  # compiled into the one extension
 HEADER_SUFFIXES = (".h", ".cuh", ".hpp", ".inl")
 REQUIRED_CAPABILITY = (9, 0)
 LOG_TAIL_CHARS = 8000
@@ -71,7 +72,7 @@ def csrc_dir() -> Path:
 def default_sources(root: Path | None = None) -> list[Path]:
     """Every csrc/*.cu and csrc/*.cpp (sorted), i.e. what goes into the one extension."""
     root = Path(root) if root is not None else csrc_dir()
-    return sorted(list(root.glob("*.cu")) + list(root.glob("*.cpp")))
+    return sorted(p for suffix in SOURCE_SUFFIXES for p in root.glob("*" + suffix))
 
 
 def find_cuda_home() -> Path | None:
