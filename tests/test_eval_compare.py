@@ -56,7 +56,11 @@ def _pairs(n):
 
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory):
-    return write_fixture_task_data(tmp_path_factory.mktemp("eval_fixture_data"), n_docs=5, seed=random.randint(0, 99))
+    # 20 documents per task (~200 requests): the auto rule compares two maxima over the requests, and
+    # for two paths as accurate as each other that ratio is noisy on few requests. On CPU, over 40 seed
+    # pairs, the reference path's max error / plain bf16's had s.d. 0.33 with 5 documents (ratio 2.13 for
+    # data seed 1, model seed 9: a failure) and 0.22 with 20 (largest 1.66); its rms ratio averaged 0.96.
+    return write_fixture_task_data(tmp_path_factory.mktemp("eval_fixture_data"), n_docs=20, seed=random.randint(0, 99))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,7 +95,7 @@ def test_sparseffn_reference_path_matches_dense_on_task_requests(fixture_dir):
                         data_dir=fixture_dir, offline=True)
     assert res.passed, res.summary()
     assert res.observed_paths == {"dense": {"dense": 2}, "reference": {"twell-reference": 2}}
-    assert res.n_docs == 15 and res.decision_agreement is not None
+    assert res.n_docs == 60 and res.decision_agreement is not None
     assert all(m.path == "dense" for m in modules)  # restored
 
 
