@@ -156,6 +156,21 @@ def test_missing_task_is_skipped_not_zero(fixture_dir, model_and_tokenizer, tmp_
     assert "Rowan/hellaswag" in skipped.reason and "validation.jsonl" in skipped.reason
 
 
+def test_every_task_skipped_returns_the_skips_without_an_ffn_path_error(fixture_dir, tmp_path):
+    from twell.eval.harness import evaluate_loaded
+    from twell.eval.loading import fixture_model
+
+    loaded = fixture_model("fx", ffn_path="reference")
+    for first in (True, False):
+        # no task has data: nothing runs, so there is no path to check, and an earlier run's path is not claimed
+        run = evaluate_loaded(loaded, tasks=["hellaswag"], data_dir=tmp_path, offline=True, batch_size=2)
+        assert run.tasks["hellaswag"].status == "skipped" and "Rowan/hellaswag" in run.tasks["hellaswag"].reason
+        assert run.ffn_paths_observed == {"None": 2}
+        if first:
+            ran = evaluate_loaded(loaded, tasks=["piqa"], data_dir=fixture_dir, offline=True, limit=2, batch_size=2)
+            assert ran.ffn_paths_observed == {"twell-reference": 2}
+
+
 @pytest.mark.skipif(default_data_dir() is None or not (default_data_dir() / "commonsense_qa").is_dir(),
                     reason="shared data directory with commonsense_qa/dev_rand_split.jsonl not present")
 def test_real_commonsense_qa_dev_file(model_and_tokenizer):

@@ -133,3 +133,18 @@ def test_fixture_data_is_flagged(runs):
     assert set(table[table.task == "winogrande"].data) == {"fixture-data"}
     assert "winogrande **[FIXTURE data]**" in to_markdown(table, runs)
     assert "**[FIXTURE data]**" in [l for l in to_markdown(table, runs).splitlines() if l.startswith("| mean")][0]
+
+
+def test_mean_standard_error_is_nan_when_a_task_has_none(runs):
+    # no samples logged: every task's paired se is NaN, so the mean's is too (not sqrt(0)/k = 0.0)
+    table = comparison_table(runs)
+    means = table[table.status == "mean"]
+    assert table[table.status == "ok"].diff_se_paired.isna().all() and means.diff_se_paired.isna().all()
+    assert "paired se" not in to_markdown(table, runs)
+    # one lm-eval stderr 'N/A' (NaN): the means that include that task have no error rather than a too-small one
+    runs["dense"].tasks["winogrande"].metrics["acc"]["stderr"] = math.nan
+    table = comparison_table(runs)
+    mean = table[(table.status == "mean") & (table.block == "acc")].iloc[0]
+    assert math.isnan(mean.dense_se) and math.isnan(mean.diff_se) and not math.isnan(mean.sparse_se)
+    norm_mean = table[(table.status == "mean") & (table.block == "acc_norm")].iloc[0]  # winogrande has no acc_norm
+    assert not math.isnan(norm_mean.dense_se)

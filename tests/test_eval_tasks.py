@@ -162,3 +162,26 @@ def test_fewshot_needs_the_fewshot_split(fixture_dir):
         resolve_task_sources(["piqa"], data_dir=fixture_dir, num_fewshot=5)
     (src,) = resolve_task_sources(["arc_easy"], data_dir=fixture_dir, num_fewshot=5)  # has train.jsonl
     assert "train" in src.files
+
+
+def test_every_parquet_shard_of_a_split_is_used(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "piqa").mkdir()
+    rows = fixture_rows("piqa", 5)
+    shards = [tmp_path / "piqa" / f"validation-0000{i}-of-00002.parquet" for i in range(2)]
+    for shard, part in zip(shards, (rows[:2], rows[2:])):
+        pq.write_table(pa.Table.from_pylist(part), shard)
+    (src,) = resolve_task_sources(["piqa"], data_dir=tmp_path)
+    assert src.files == {"validation": [str(p.resolve()) for p in shards]}
+    assert src.derived_config()["dataset_kwargs"] == {"data_files": src.files}
+    built = build_tasks([src], offline=True)
+    assert [d["goal"] for d in built.tasks["piqa"].validation_docs()] == [r["goal"] for r in rows]
+    # explicit data_files take a list per split too
+    (again,) = resolve_task_sources(["piqa"], data_dir=None, data_files={"piqa": {"validation": shards}})
+    assert again.files == src.files
+    # each shard is schema-checked, not only the first
+    pq.write_table(pa.Table.from_pylist([{"question": "?", "label": 0}]), shards[1])
+    with pytest.raises(TaskSchemaError, match=r"validation-00001-of-00002\.parquet.*\['goal', 'sol1', 'sol2'\]"):
+        resolve_task_sources(["piqa"], data_dir=tmp_path)

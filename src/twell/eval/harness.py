@@ -19,9 +19,11 @@ from typing import Any, Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
-from twell.eval.loading import LoadedModel, check_ffn_path, fixture_model, load_checkpoint, set_ffn_path
+from twell.eval.loading import (LoadedModel, check_ffn_path, fixture_model, load_checkpoint, observed_ffn_paths,
+                                set_ffn_path)
 from twell.eval.offline import hf_offline, resolve_offline
 from twell.eval.tasks import AUTO, PAPER_TASKS, build_tasks, resolve_task_sources
+from twell.model import sparse_ffns
 
 # lm-eval's "auto" batch size doubles down from max_batch_size on CUDA out-of-memory errors; on a
 # CPU there is no such signal (it would just swap), so a fixed size is used there.
@@ -37,7 +39,7 @@ class TaskResult:
     status: str
     source: str = ""  # "local", "hub" or "fixture-data" (FIXTURE files: the score means nothing)
     reason: str = ""
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str | list[str]] = field(default_factory=dict)  # split -> path, or its parquet shards
     dropped_splits: list[str] = field(default_factory=list)
     n: int | None = None  # documents scored
     n_total: int | None = None  # documents in the scored split
@@ -154,6 +156,8 @@ def evaluate_model(
     built = build_tasks(sources, offline=offline)
     if ffn_path is not None:
         set_ffn_path(model, ffn_path)
+    for module in sparse_ffns(model):  # what ran before this run must not pass for this run's path
+        module.last_path = None
     device = str(next(model.parameters()).device)
     bs, bs_note = choose_batch_size(batch_size, device)
 
@@ -168,7 +172,8 @@ def evaluate_model(
         used = results["config"].get("batch_sizes") or []
         if used:
             bs_note += f"; lm-eval chose {used}"
-    observed = check_ffn_path(model, ffn_path)
+    # With every task skipped no forward ran: there is no path to check (the skipped tasks are the result).
+    observed = check_ffn_path(model, ffn_path) if built.tasks else observed_ffn_paths(model)
 
     out: dict[str, TaskResult] = {}
     for src in sources:

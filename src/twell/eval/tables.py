@@ -4,8 +4,8 @@ Per task and metric: both scores with lm-eval's standard errors, the difference 
 and its standard error ``sqrt(se_b^2 + se_o^2)``. That formula treats the two scores as
 independent; they are paired (same questions), so when the models' errors correlate it overstates
 the uncertainty. The mean over tasks is unweighted, over tasks scored in both runs, with standard
-error ``sqrt(sum se^2) / k`` (tasks treated as independent). Skipped tasks appear with their reason
-and no number.
+error ``sqrt(sum se^2) / k`` (tasks treated as independent; NaN if any task's is NaN). Skipped tasks
+appear with their reason and no number.
 """
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ def comparison_table(runs: Mapping[str, EvalRun], *, baseline: str = "dense", ot
             continue
         k = len(part)
         frame = pd.DataFrame(part)
-        se = lambda col: math.sqrt(float((frame[col] ** 2).sum())) / k  # noqa: E731
+        # skipna=False: a task without an error (no paired samples, lm-eval 'N/A') leaves the mean's error unknown;
+        # skipping it would still divide by k and understate the error (all NaN would read 0.0)
+        se = lambda col: math.sqrt(float((frame[col] ** 2).sum(skipna=False))) / k  # noqa: E731
         rows += part + [{"block": block, "task": f"mean ({k} tasks)", "data": ",".join(sorted(set(frame.data))),
                          "metric": block, "n": int(frame.n.sum()),
                          baseline: frame[baseline].mean(), f"{baseline}_se": se(f"{baseline}_se"),
@@ -120,7 +122,7 @@ def to_markdown(table: pd.DataFrame, runs: Mapping[str, EvalRun], *, baseline: s
     lines: list[str] = []
     titles = {HEADLINE: "Headline metric (acc_norm where the task defines it, else acc)", "acc": "acc",
               "acc_norm": "acc_norm"}
-    paired = bool(table["diff_se_paired"].notna().any())
+    paired = bool(table.loc[table.status == "ok", "diff_se_paired"].notna().any())  # per-task rows, not the means
     for block, part in table[table.status != "skipped"].groupby("block", sort=False):
         lines += [f"### {titles.get(block, block)}", "",
                   f"| task | metric | n | {baseline} | {other} | {other} − {baseline} |" + (" paired se |" if paired else ""),

@@ -17,7 +17,7 @@ read for scoring. A task without local data uses the built-in YAML as is (hub do
 it is tried from the Hugging Face cache and otherwise reported as skipped with the reason.
 
 Local layout (hub schema, one JSON object per line; ``.json`` and ``.parquet`` are accepted too,
-and hub parquet shards ``<split>-*.parquet``)::
+and hub parquet shards ``<split>-*.parquet``, all of them)::
 
     <data_dir>/arc_easy/test.jsonl            allenai/ai2_arc ARC-Easy        id question choices{text,label} answerKey
     <data_dir>/arc_challenge/test.jsonl       allenai/ai2_arc ARC-Challenge   (same fields)
@@ -101,7 +101,7 @@ class TaskSource:
     builtin_yaml: str
     eval_split: str
     hub_dataset: str
-    files: dict[str, str] = field(default_factory=dict)  # split -> absolute path (local only)
+    files: dict[str, str | list[str]] = field(default_factory=dict)  # split -> absolute path, or its parquet shards
     builder: str | None = None  # datasets builder for local files: "json" or "parquet"
     dropped_splits: tuple[str, ...] = ()  # declared splits with no local file
     null_keys: tuple[str, ...] = ()  # the built-in split keys set to null because their split is dropped
@@ -155,15 +155,15 @@ def default_data_dir() -> Path | None:
     return shared / "eval" if shared is not None and (shared / "eval").is_dir() else None
 
 
-def _find_split_file(task_dir: Path, task: str, split: str) -> Path | None:
+def _find_split_files(task_dir: Path, task: str, split: str) -> list[Path]:
     for name in split_file_candidates(task, split):
         if "*" in name:
             matches = sorted(task_dir.glob(name))
             if matches:
-                return matches[0]
+                return matches  # every shard: the split is their union
         elif (task_dir / name).is_file():
-            return task_dir / name
-    return None
+            return [task_dir / name]
+    return []
 
 
 def _builder_for(path: Path) -> str:
@@ -239,8 +239,8 @@ def resolve_task_sources(
     data_dir: ``"auto"`` = ``<shared data>/eval`` when present; ``None`` = no local directory;
         a path must exist. A task uses local data when ``<data_dir>/<task>/`` exists; that
         directory must then hold the scored split.
-    data_files: explicit per-task files, ``{task: path_of_scored_split}`` or ``{task: {split: path}}``;
-        they take precedence over ``data_dir`` and must exist.
+    data_files: explicit per-task files, ``{task: path_of_scored_split}`` or ``{task: {split: path}}``
+        (a list of paths for a split in shards); they take precedence over ``data_dir`` and must exist.
     Raises UnknownTaskError, TaskDataError (missing directory/file), TaskSchemaError.
     """
     tasks = list(tasks)
@@ -265,16 +265,19 @@ def resolve_task_sources(
         cfg = dict(entry.cfg or {})
         eval_split = cfg.get("test_split") or cfg.get("validation_split")
         declared = [cfg[k] for k in SPLIT_KEYS if cfg.get(k)]
-        files: dict[str, Path] = {}
+        files: dict[str, list[Path]] = {}
         origin = ""
         if data_files and name in data_files:
             given = data_files[name]
             given = {eval_split: given} if isinstance(given, (str, os.PathLike)) else dict(given)
-            for split, path in given.items():
-                path = Path(path).expanduser()
-                if not path.is_file():
-                    raise TaskDataError(f"data file for task {name!r} split {split!r} does not exist: {path}")
-                files[split] = path
+            for split, value in given.items():
+                value = [value] if isinstance(value, (str, os.PathLike)) else value
+                files[split] = [Path(p).expanduser() for p in value]
+                if not files[split]:
+                    raise TaskDataError(f"data_files for task {name!r} split {split!r} is an empty list")
+                for path in files[split]:
+                    if not path.is_file():
+                        raise TaskDataError(f"data file for task {name!r} split {split!r} does not exist: {path}")
             origin = "data_files"
             if eval_split not in files:
                 raise TaskDataError(
@@ -282,8 +285,8 @@ def resolve_task_sources(
                 )
         elif root is not None and (root / name).is_dir():
             for split in declared:
-                found = _find_split_file(root / name, name, split)
-                if found is not None:
+                found = _find_split_files(root / name, name, split)
+                if found:
                     files[split] = found
             origin = str(root / name)
             if eval_split not in files:
@@ -296,10 +299,11 @@ def resolve_task_sources(
             note = f"{where}; local data would be <data_dir>/{name}/ with one of {split_file_candidates(name, eval_split)}"
             sources.append(TaskSource(name, "hub", str(entry.yaml_path), eval_split, _hub_name(cfg), note=note))
             continue
-        builders = {_builder_for(p) for p in files.values()}
+        paths = [p for split_paths in files.values() for p in split_paths]
+        builders = {_builder_for(p) for p in paths}
         if len(builders) != 1:
             raise TaskDataError(f"data files for task {name!r} mix formats {sorted(builders)}: {files}")
-        for path in files.values():
+        for path in paths:  # every shard, not only the first
             _check_schema(name, path)
         dropped = tuple(s for s in dict.fromkeys(declared) if s not in files)
         null_keys = tuple(k for k in SPLIT_KEYS if cfg.get(k) in dropped)
@@ -311,9 +315,10 @@ def resolve_task_sources(
             )
         sources.append(TaskSource(
             name, "local", str(entry.yaml_path), eval_split, _hub_name(cfg),
-            files={s: str(p.resolve()) for s, p in files.items()}, builder=builders.pop(), dropped_splits=dropped,
-            null_keys=null_keys, note=f"local files from {origin}",
-            fixture=any(is_fixture_file(p) for p in files.values()),
+            files={s: str(ps[0].resolve()) if len(ps) == 1 else [str(p.resolve()) for p in ps]
+                   for s, ps in files.items()},
+            builder=builders.pop(), dropped_splits=dropped, null_keys=null_keys, note=f"local files from {origin}",
+            fixture=any(is_fixture_file(p) for p in paths),
         ))
     return sources
 

@@ -35,6 +35,10 @@ in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL 
 ~200 MB). With ``track=True`` the forward also records
 ``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker; ``track_l1=False`` keeps
 ``stats.l1`` out of the autograd graph (for runs whose L1 coefficient is 0).
+
+The sparse paths cache W_down's transpose (``w_down_t()``). Every forward with autograd recording
+drops it (a fused optimizer step does not bump the weight's version); after writing the weights in
+place through ``.data`` outside training, call ``invalidate_cache()``.
 """
 from __future__ import annotations
 
@@ -227,6 +231,9 @@ class SparseFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            # Training: the optimizer step that follows may update W_down without bumping its version
+            # (fused AdamW), so the cached transpose must not outlive this step.
+            self.invalidate_cache()
             if self.train_backend is not None:
                 self.last_path = "train-backend"
                 return self.train_backend(self, x)
@@ -309,8 +316,17 @@ class SparseFFN(nn.Module):
         self.last_path = "dense"
         return self.down_proj(h)
 
+    def invalidate_cache(self) -> None:
+        """Drop the cached W_down transpose (:meth:`w_down_t`). Call it after writing the weights in place
+        through ``.data`` (or with a fused optimizer step) outside training forwards: such writes do
+        not bump the tensor version the cache is keyed on."""
+        self._w_down_t = self._w_down_t_version = None
+
     def w_down_t(self) -> torch.Tensor:
-        """W_down transposed to [H, D] (one contiguous row per neuron), cached until the weight changes."""
+        """W_down transposed to [H, D] (one contiguous row per neuron), cached until the weight changes.
+
+        The cache is keyed on the weight's storage and version and dropped by every forward with
+        autograd recording; in-place writes through ``.data`` need :meth:`invalidate_cache`."""
         w = self.down_proj.weight
         key = (w.data_ptr(), w._version, w.device, w.dtype)
         if self._w_down_t is None or self._w_down_t_version != key:
