@@ -1,6 +1,8 @@
 """twell.data: sources, smoke corpus, tokenizer choice, token files, deterministic sharded batches."""
 import json
 import random
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -145,6 +147,30 @@ def test_prepare_is_cached_and_deterministic(prepared, corpus, tmp_path):
     assert PreparedData.load(fresh.dir).vocab_size == prepared.vocab_size
     # A prepared directory given as the source is used as is.
     assert prepare_data(str(fresh.dir)).dir == fresh.dir
+
+
+def test_prepare_replaces_only_empty_or_prepared_folders(corpus, tmp_path, capsys):
+    from twell.data.__main__ import main as data_main
+
+    d, _ = corpus
+    mine = tmp_path / "mine"  # a folder of the user's, named as data.prepared_dir / --out by mistake
+    mine.mkdir()
+    shutil.copy(d / "docs.jsonl", mine / "docs.jsonl")
+    (mine / "notes.txt").write_text("keep me\n")
+    cfg = DataConfig(source=str(mine / "docs.jsonl"), vocab_size=320, val_fraction=0.2, prepared_dir=str(mine))
+    with pytest.raises(FileExistsError, match=rf"{re.escape(str(mine))}\b.*not a prepared data directory"):
+        prepare_data(cfg, progress=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["docs.jsonl", "notes.txt"]
+    assert data_main(["--config", "tiny", "--data", str(mine / "docs.jsonl"), "--out", str(mine)]) == 2
+    assert "not a prepared data directory" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["docs.jsonl", "notes.txt"]
+    # An empty folder is filled; a prepared folder made with other settings is rebuilt in place.
+    (tmp_path / "empty").mkdir()
+    first = prepare_data(DataConfig(source=str(d / "docs.jsonl"), vocab_size=320, val_fraction=0.2),
+                         out_dir=tmp_path / "empty", progress=False)
+    again = prepare_data(DataConfig(source=str(d / "docs.jsonl"), vocab_size=320, val_fraction=0.3),
+                         out_dir=first.dir, progress=False)
+    assert again.dir == first.dir and again.meta["key"] != first.meta["key"]
 
 
 def test_truncated_token_file_is_detected(prepared, tmp_path):

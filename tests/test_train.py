@@ -1,5 +1,7 @@
 """twell.train pieces: configs, schedules, the L1 recipe, the sparsity tracker, re-initialisation, AC."""
 import random
+import re
+import warnings
 
 import pytest
 import torch
@@ -72,6 +74,28 @@ def test_config_errors_name_the_fix(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ValueError, match="inheritance loop"):
         load_config(tmp_path / "loop.yaml")
+
+
+@pytest.mark.parametrize("over", ["optim.lr=.nan", "optim.grad_clip=.nan", "optim.weight_decay=.inf",
+                                  "sparsity.l1_coef=.nan", "sparsity.l1_coef=.inf", "train.max_wall_seconds=.nan",
+                                  "model.rope_theta=.inf"])
+def test_config_rejects_non_finite_numbers(over):
+    # NaN compares False with every bound, so range checks alone let it through.
+    key = over.split("=")[0]
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} must be a finite number"):
+        load_config("tiny", [over]).validate()
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} must be a finite number"):
+        load_config("tiny", ["model.ffn=silu_gated", "sparsity.l1_coef=0", over]).validate()
+
+
+def test_config_warns_when_warmup_outlasts_the_run():
+    with pytest.warns(UserWarning, match=r"optim.warmup_steps \(50000\) exceeds train.steps \(2000\)"):
+        load_config("tiny", ["optim.warmup_steps=50000"]).validate()
+    with pytest.warns(UserWarning, match=r"sparsity.l1_warmup_steps \(2001\) exceeds train.steps \(2000\)"):
+        load_config("tiny", ["sparsity.l1_warmup_steps=2001"]).validate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config("tiny", ["optim.warmup_steps=2000", "sparsity.l1_warmup_steps=2000"]).validate()  # the whole run
 
 
 def test_overrides_parse_numbers_yaml_reads_as_text():

@@ -5,6 +5,8 @@ Runs use a fixture corpus: the smoke corpus (installed packages' metadata, not F
 """
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import torch
 import yaml
 from transformers import LlamaForCausalLM
 
-from twell.data import DataConfig, prepare_data
+from twell.data import DataConfig, build_smoke_corpus, prepare_data
 from twell.model import load_pretrained
 from twell.paths import repo_root
 from twell.train import read_metrics, run
@@ -109,6 +111,70 @@ def test_reinit_dead_neurons_runs_and_logs(tmp_path, smoke_data):
     # 6-step run never produces (so neurons is 0 here); the re-draw itself is tested in
     # tests/test_train.py::test_reinit_dead_gates_touches_only_dead_rows.
     assert [e["step"] for e in events] == [2, 4, 6] and all(e["neurons"] >= 0 for e in events)
+
+
+def test_resume_refuses_data_that_changed(tmp_path, smoke_data):
+    """Data settings outside the fixed ones (max_docs) or the corpus files can change the prepared data (and the
+    trained tokenizer); the checkpoint's data key must match the data loaded now."""
+    docs = build_smoke_corpus(tmp_path / "smoke.jsonl").read_text().splitlines()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(docs[:120]) + "\n")
+    cfg = _cfg(smoke_data, steps=3, ckpt_every=3)
+    cfg["data"] = {"source": str(corpus), "vocab_size": 512, "max_docs": 100, "prepared_dir": str(tmp_path / "prep")}
+    out = tmp_path / "r"
+    run(cfg, out=out)
+    longer = {**cfg, "train": {**cfg["train"], "steps": 5}}
+    with pytest.raises(ValueError, match=r"prepared data changed.*data\.max_docs: checkpoint 100 vs now 80"):
+        run({**longer, "data": {**cfg["data"], "max_docs": 80}}, out=out, resume=True)
+    corpus.write_text("\n".join(docs[10:130]) + "\n")  # same settings, other documents
+    with pytest.raises(ValueError, match=r"prepared data changed.*no data setting changed"):
+        run(longer, out=out, resume=True)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")["train"]] == [1, 2, 3]
+
+
+def test_refused_resume_keeps_the_runs_config_yaml(tmp_path, smoke_data):
+    out = tmp_path / "r"
+    run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)
+    before = (out / "config.yaml").read_text()
+    with pytest.raises(ValueError, match="cannot resume.*train.data_seed"):
+        run(_cfg(smoke_data, steps=5, ckpt_every=3, data_seed=7), out=out, resume=True)
+    assert (out / "config.yaml").read_text() == before  # still the config the checkpoint was trained with
+
+
+def test_resume_without_a_checkpoint_starts_the_metrics_afresh(tmp_path, smoke_data):
+    out = tmp_path / "r"
+    run(_cfg(smoke_data, steps=3), out=out)
+    shutil.rmtree(out / "ckpt")  # as if killed before its first checkpoint
+    res = run(_cfg(smoke_data, steps=4), out=out, resume=True)
+    recs = read_metrics(res.metrics_path)
+    assert [r["step"] for r in recs["train"]] == [1, 2, 3, 4]
+    assert [e["event"] for e in recs["event"]] == ["resume-requested", "start", "end"]
+
+
+def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    cfg = _cfg(smoke_data, steps=12, ckpt_every=2, keep_checkpoints=1)
+    cfg["optim"].update(lr=1e6, warmup_steps=0, grad_clip=0.0)  # diverges within a few steps
+    out = tmp_path / "nan"
+    with pytest.raises(RuntimeError, match=r"non-finite loss or gradient norm at step \d+") as err:
+        run(cfg, out=out)
+    bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    recs = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in recs["train"]] == list(range(1, bad + 1))  # log_every 1: detected at once
+    assert all(isinstance(r[k], float) for r in recs["train"][:-1] for k in ("loss", "grad_norm"))
+    assert any(isinstance(recs["train"][-1][k], str) for k in ("loss", "grad_norm"))  # "nan" / "inf"
+    assert recs["event"][-1]["event"] == "stop" and f"step {bad}" in recs["event"][-1]["reason"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["steps_done"] == bad and f"step {bad}" in summary["stop_reason"]
+    assert summary["paths"]["hf_checkpoint"] is None and not (out / "final").exists()
+    # Nothing saved from the non-finite state: the last finite checkpoint is kept (keep_checkpoints 1).
+    last = (bad - 1) // 2 * 2
+    assert last > 0 and [p.name for p in (out / "ckpt").glob("step_*")] == [f"step_{last:07d}"]
+    assert summary["paths"]["train_checkpoint"] == str(out / "ckpt" / f"step_{last:07d}")
+    dcp_to_torch_save(out / "ckpt" / f"step_{last:07d}", tmp_path / "last.pt")
+    weights = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
+    assert weights and all(torch.isfinite(v).all() for v in weights.values())
 
 
 @pytest.mark.slow

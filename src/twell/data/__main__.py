@@ -25,7 +25,7 @@ def main(argv=None) -> int:
         if args.data is not None:
             cfg.data.source = args.data
         prepared = prepare_data(cfg.data, vocab_size=cfg.model.vocab_size, out_dir=args.out)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     m = prepared.meta

@@ -172,8 +172,25 @@ def _slug(source: Source) -> str:
     return source.files[0].stem if len(source.files) == 1 else source.files[0].parent.name
 
 
+def _check_replaceable(target: Path) -> None:
+    """The target is replaced whole: refuse anything but an absent or empty folder or an earlier prepared one."""
+    if not target.exists() or (target / "meta.json").is_file():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"prepared data target {target} exists and is not a folder; choose another "
+                              "data.prepared_dir / --out")
+    entries = sorted(p.name for p in target.iterdir())
+    if entries:
+        raise FileExistsError(
+            f"refusing to replace {target}: it is not a prepared data directory (no meta.json) and holds "
+            f"{len(entries)} entries ({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); choose an empty "
+            "or new folder for data.prepared_dir / --out")
+
+
 def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path, progress: bool) -> PreparedData:
     from tqdm.auto import tqdm
+
+    _check_replaceable(target)  # before the (long) tokenising
 
     def docs():
         return iter_documents(source, text_field=cfg.text_field, max_docs=cfg.max_docs,
@@ -250,6 +267,11 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
         "val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed,
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        _check_replaceable(target)  # again: something may have been written there meanwhile
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if target.exists():
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)

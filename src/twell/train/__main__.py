@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from twell.train.loop import run
+from twell.train.loop import TrainingDiverged, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     try:
         result = run(args.config, data=args.data, out=args.out, resume=args.resume, overwrite=args.overwrite,
                      overrides=args.overrides)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, TrainingDiverged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -129,6 +131,11 @@ class RunConfig:
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError naming the field and the fix for inconsistent settings."""
         t, o, s, m = self.train, self.optim, self.sparsity, self.model
+        for section in self.SECTIONS:  # NaN compares False with every bound below, so check it first
+            for f in dataclasses.fields(getattr(self, section)):
+                v = getattr(getattr(self, section), f.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"{section}.{f.name} must be a finite number, got {v}")
         for name in ("steps", "seq_len", "global_batch", "micro_batch"):
             v = getattr(t, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -157,6 +164,10 @@ class RunConfig:
                              f"grad_clip={o.grad_clip}")
         if s.l1_coef < 0 or s.l1_warmup_steps < 0:
             raise ValueError(f"sparsity.l1_coef and l1_warmup_steps must be >= 0, got {s.l1_coef}, {s.l1_warmup_steps}")
+        for name, v in (("optim.warmup_steps", o.warmup_steps), ("sparsity.l1_warmup_steps", s.l1_warmup_steps)):
+            if v > t.steps:  # the ramp never finishes; a warning, not an error: short trial runs of long configs do this
+                warnings.warn(f"{name} ({v}) exceeds train.steps ({t.steps}): the run ends before its warm-up does, "
+                              f"never reaching the configured value; lower {name} for a real run", stacklevel=2)
         if s.l1_coef > 0 and m.ffn == "silu_gated":
             raise ValueError("sparsity.l1_coef > 0 needs a ReLU FFN (model.ffn relu_gated or relu); the SiLU baseline "
                              "trains with l1_coef: 0")

@@ -31,7 +31,7 @@ from twell.model import build_model, count_parameters, save_pretrained, set_trac
 from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
 from twell.train.config import RunConfig, load_config
-from twell.train.metrics import MetricsLog, atomic_write
+from twell.train.metrics import MetricsLog, _clean, atomic_write
 from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
                                   barrier, broadcast_flag, init_distributed, set_gradient_sync, total_grad_norm)
 from twell.train.recipe import sparse_lm_loss
@@ -41,6 +41,10 @@ from twell.train.tracker import SparsityTracker, reinit_dead_gates
 # Settings that must not change when a run is resumed (they define the model or the data order).
 _RESUME_FIXED = {"model": None, "data": ("source", "tokenizer", "vocab_size", "val_fraction", "split_seed"),
                  "train": ("seq_len", "global_batch", "data_seed", "seed")}
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm stopped the run (summary.json and the last finite checkpoint stay)."""
 
 
 @dataclass
@@ -107,8 +111,11 @@ class Trainer:
         self.last_val: dict | None = None
         self.stop_reason: str | None = None
         self._last_ckpt: Path | None = None
+        self._first_bad = torch.full((), -1, dtype=torch.long, device=dev)  # first non-finite step (device; -1: none)
         if resume:
             self._resume()
+        if self.main:  # after the resume checks: a refused resume leaves the run's config.yaml as it was
+            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
@@ -123,7 +130,6 @@ class Trainer:
                 for p in ("metrics.jsonl", "summary.json"):
                     (self.out / p).unlink(missing_ok=True)
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         barrier(self.info)
 
     def _prepare_data(self) -> PreparedData:
@@ -152,10 +158,14 @@ class Trainer:
     def _resume(self) -> None:
         latest = self.ckpt.latest()
         if latest is None:
-            self._event("resume-requested", detail="no checkpoint found; starting at step 0")
+            # Records of an attempt killed before its first checkpoint would precede a second step 1.
+            dropped = self.metrics.truncate_after(-1) if self.main else 0
+            self._event("resume-requested", detail=f"no checkpoint found; starting at step 0 with a fresh metrics "
+                                                   f"file (dropped {dropped} records of the earlier attempt)")
             return
         state = self.ckpt.load(latest, self.model, self.optimizer)
         self._check_resume_config(state["config"])
+        self._check_resume_data(state)
         self.step = int(state["step"])
         self.tracker.load_state_dict(state["tracker"])
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -178,6 +188,22 @@ class Trainer:
                     diffs.append(f"{section}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}")
         if diffs:
             raise ValueError("cannot resume: settings that define the model or the data order changed: " + "; ".join(diffs))
+
+    def _check_resume_data(self, state: Mapping[str, Any]) -> None:
+        """The data key hashes everything the token files depend on (settings outside _RESUME_FIXED such as
+        max_docs, and the source files' size and mtime): another key means other tokens, maybe another tokenizer."""
+        saved, now = state.get("data_key"), self.data.meta["key"]
+        if saved is None or saved == now:  # None: a checkpoint from before data keys were saved
+            return
+        a, b = state["config"].get("data", {}), self.cfg.to_dict()["data"]
+        diffs = [f"data.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                 if a.get(k) != b.get(k)]
+        cause = ("changed data settings: " + "; ".join(diffs) if diffs else
+                 "no data setting changed, so the source itself did (its files, or the prepared folder given as "
+                 "data.source); what changed is unknown")
+        raise ValueError(f"cannot resume: the prepared data changed: the checkpoint was trained on data key {saved}, "
+                         f"the data now loaded ({self.data.dir}) has key {now}; {cause}. Restore the data the run "
+                         "started with, or start a new run (--overwrite or another --out)")
 
     # -- one step --------------------------------------------------------------------------------
     def _autocast(self):
@@ -211,6 +237,10 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         sums = all_reduce_sum(sums, self.info) / (self.accum * self.info.world)
+        # Remember the first non-finite step on the device (no host sync here; fit checks it where it syncs anyway).
+        # Reduced loss and global norm: every rank sees the same flag and stops at the same step.
+        finite = torch.isfinite(sums).all() & torch.isfinite(grad_norm)
+        self._first_bad.masked_fill_(~finite & (self._first_bad < 0), step + 1)
         spars = self.tracker.end_step(as_lists=False)
         # Device tensors: converted (one host sync) only for the steps that are logged.
         return {"sums": sums, "grad_norm": grad_norm, "l1_coef": coef, "lr": lr, **spars}
@@ -317,11 +347,18 @@ class Trainer:
             logged = self.step % t.log_every == 0 or self.step in (1, t.steps)
             if logged:
                 last_step_s, t_log, step_log = self._log_train(raw, bar, t_log, step_log)
+            due_eval = self.step % t.eval_every == 0 or self.step == t.steps
+            due_ckpt = self.step % t.ckpt_every == 0 and self.step < t.steps
+            # Checked after a logged record (the host has just synced) and before anything is evaluated or saved.
+            if (logged or due_eval or due_ckpt) and self._nonfinite_step() is not None:
+                if not logged:
+                    self._log_train(raw, bar, t_log, step_log)
+                break
             if self.step % s.positions_every == 0 or self.step == t.steps:
                 pos = self.tracker.positions()
                 if pos:
                     self.metrics.write({"kind": "positions", "step": self.step, **pos})
-            if self.step % t.eval_every == 0 or self.step == t.steps:
+            if due_eval:
                 self._validate_and_log()
                 last_val_step = self.step
                 t_log, step_log = time.time(), self.step  # keep evaluation out of the step timings
@@ -333,9 +370,12 @@ class Trainer:
                 self.stop_reason = f"wall-clock limit (stopped after step {self.step} of {t.steps})"
                 self._event("stop", reason=self.stop_reason)
                 break
-            if self.step % t.ckpt_every == 0 and self.step < t.steps:
+            if due_ckpt:
                 self._save()
         bar.close()
+        bad = self._nonfinite_step()  # also after a wall-clock stop on an unchecked step
+        if bad is not None:
+            self._diverged(bad)
         if last_val_step != self.step:
             self._validate_and_log()
         if self._last_ckpt is None or not self._last_ckpt.name.endswith(f"{self.step:07d}"):
@@ -346,6 +386,23 @@ class Trainer:
         self.metrics.close()
         barrier(self.info)
         return RunResult(self.out, self.out / "metrics.jsonl", self.out / "summary.json", self._last_ckpt, hf_dir, summary)
+
+    def _nonfinite_step(self) -> int | None:
+        """The first step with a non-finite loss or grad norm so far, or None (one host sync)."""
+        bad = int(self._first_bad)
+        return bad if bad >= 0 else None
+
+    def _diverged(self, bad: int) -> None:
+        """Stop without evaluating, saving or exporting the non-finite state: the last finite checkpoint stays."""
+        self.stop_reason = (f"non-finite loss or gradient norm at step {bad} (stopped after step {self.step} of "
+                            f"{self.cfg.train.steps}; nothing evaluated, saved or exported after it)")
+        self._event("stop", reason=self.stop_reason)
+        self._summary(None)
+        self.metrics.close()
+        barrier(self.info)
+        last = f"the last checkpoint is {self._last_ckpt}" if self._last_ckpt else "no checkpoint was saved"
+        raise TrainingDiverged(f"training diverged: {self.stop_reason}; {last}; see {self.out / 'metrics.jsonl'} and "
+                               "summary.json (lower optim.lr or keep optim.grad_clip on)")
 
     # -- outputs ---------------------------------------------------------------------------------
     def _export(self) -> Path | None:
@@ -393,7 +450,7 @@ class Trainer:
         recs = read_metrics(self.out / "metrics.jsonl").get("train", [])
         tail = recs[-max(1, min(50, len(recs) // 10)):]
         H, L = self.cfg.model.intermediate_size, self.cfg.model.num_layers
-        act = [sum(r["active_mean"][l] for r in tail) / len(tail) for l in range(L)] if tail else []
+        act = [sum(float(r["active_mean"][l]) for r in tail) / len(tail) for l in range(L)] if tail else []
         wall = time.time() - self.t_start
         dev = self.info.device
         summary = {
@@ -413,7 +470,7 @@ class Trainer:
                      "tokenizer": self.data.tokenizer_choice},
             "final": {
                 "train_ce_last": recs[-1]["ce"] if recs else None,
-                "train_ce_tail_mean": sum(r["ce"] for r in tail) / len(tail) if tail else None,
+                "train_ce_tail_mean": sum(float(r["ce"]) for r in tail) / len(tail) if tail else None,
                 "tail_steps": len(tail),
                 "active_mean_per_layer": act,
                 "active_frac_per_layer": [a / H for a in act],
@@ -433,7 +490,7 @@ class Trainer:
                       "train_checkpoint": str(self._last_ckpt) if self._last_ckpt else None},
             "config": self.cfg.to_dict(),
         }
-        atomic_write(self.out / "summary.json", json.dumps(summary, indent=1))
+        atomic_write(self.out / "summary.json", json.dumps(_clean(summary), indent=1))  # NaN as "nan", like metrics
         return summary
 
 
