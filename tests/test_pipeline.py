@@ -183,6 +183,19 @@ def test_cpu_smoke_profile_equals_notebook_defaults(name):
     assert defaults.get("profile") == "cpu-smoke" and "reports_dir" in defaults
 
 
+
+def test_cpu_smoke_evaluates_what_notebook_02_trains():
+    """03's smoke checkpoints are 02's smoke runs (both of them: a missing one would become a FIXTURE), and
+    02 trains apart from runs/<config>, the CLI's default, which its overwrite would otherwise delete."""
+    from twell.train.study import NOTEBOOK_RUNS
+
+    train = pl.load_profile(ROOT / "configs" / "pipeline", "02_sparse_training", "cpu-smoke")
+    ev = pl.load_profile(ROOT / "configs" / "pipeline", "03_downstream_eval", "cpu-smoke")
+    runs = NOTEBOOK_RUNS.relative_to(ROOT).as_posix()
+    assert train["train"] and train["dense_twin"] and runs != "runs"
+    assert ev["checkpoints"] == {"sparse": f"{runs}/{train['config']}/final",
+                                 "dense": f"{runs}/{train['config']}_dense_twin/final"}
+
 # -- executing notebooks -----------------------------------------------------------------------------
 def test_failing_notebook_stops_pipeline_and_names_the_cell(tmp_path):
     _write_notebook(tmp_path, "00_twell_format", ["import sys\nprint('EXE', sys.executable, n, profile)"])

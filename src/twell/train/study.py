@@ -10,6 +10,9 @@ from typing import Mapping
 from twell.paths import repo_root
 from twell.train.loop import RunResult, run
 
+# Where notebook 02 trains (notebook 03's cpu-smoke checkpoints point here).
+NOTEBOOK_RUNS = repo_root() / "runs" / "notebook02"
+
 
 def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | None = None,
                     data_path: str | None = None, device: str = "auto", dense_twin: bool = True,
@@ -17,9 +20,11 @@ def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | N
     """Train ``config`` (and, with ``dense_twin``, the same run with L1 = 0); return ``label -> RunResult``.
 
     Labels are ``"<config> (L1 <coef>)"`` and ``"<config> (L1 0, dense)"``. Runs go to
-    ``<out_root>/<config>`` and ``<out_root>/<config>_dense_twin`` (default out_root: runs/).
+    ``<out_root>/<config>`` and ``<out_root>/<config>_dense_twin``, replacing what is there (default
+    out_root: runs/notebook02/, apart from runs/<config>, the CLI's default, so the notebook never
+    deletes a run made by hand).
     """
-    out_root = Path(out_root) if out_root is not None else repo_root() / "runs"
+    out_root = Path(out_root) if out_root is not None else NOTEBOOK_RUNS
     common = [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
     sparse_over = common + ([f"sparsity.l1_coef={float(l1_coef)!r}"] if l1_coef is not None else [])
     results: dict[str, RunResult] = {}
