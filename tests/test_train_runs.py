@@ -177,6 +177,13 @@ def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data):
     assert weights and all(torch.isfinite(v).all() for v in weights.values())
 
 
+
+def test_summary_tail_counts_steps_not_records(tmp_path, smoke_data):
+    # 40 steps logged every 2 (and step 1): 21 records, a tail of 2 records, steps 38 and 40, spans 3 steps
+    res = run(_cfg(smoke_data, steps=40, log_every=2, eval_every=40, ckpt_every=40), out=tmp_path / "r")
+    final = res.summary["final"]
+    assert (final["tail_records"], final["tail_steps"]) == (2, 3)
+
 @pytest.mark.slow
 def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, smoke_data):
     steps, every = 80, 20

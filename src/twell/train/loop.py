@@ -471,7 +471,9 @@ class Trainer:
             "final": {
                 "train_ce_last": recs[-1]["ce"] if recs else None,
                 "train_ce_tail_mean": sum(float(r["ce"]) for r in tail) / len(tail) if tail else None,
-                "tail_steps": len(tail),
+                # the tail is the last records; with log_every > 1 they span more steps than their number
+                "tail_records": len(tail),
+                "tail_steps": tail[-1]["step"] - tail[0]["step"] + 1 if tail else 0,
                 "active_mean_per_layer": act,
                 "active_frac_per_layer": [a / H for a in act],
                 "active_frac_mean": sum(act) / L / H if act else None,
