@@ -132,6 +132,15 @@ def test_resume_refuses_data_that_changed(tmp_path, smoke_data):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")["train"]] == [1, 2, 3]
 
 
+def test_resume_records_the_settings_that_changed(tmp_path, smoke_data):
+    out = tmp_path / "r"
+    run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)
+    with pytest.warns(UserWarning, match=r"change the training from here on: train\.steps: 3 -> 5"):
+        run(_cfg(smoke_data, steps=5, ckpt_every=3, progress=True), out=out, resume=True)
+    (event,) = [e for e in read_metrics(out / "metrics.jsonl")["event"] if e["event"] == "resume"]
+    assert event["changed"] == ["train.progress: False -> True", "train.steps: 3 -> 5"]
+
+
 def test_refused_resume_keeps_the_runs_config_yaml(tmp_path, smoke_data):
     out = tmp_path / "r"
     run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)

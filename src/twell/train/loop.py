@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -176,7 +177,20 @@ class Trainer:
         else:
             dropped = 0
         self._last_ckpt = latest
-        self._event("resume", detail=f"from {latest.name}; dropped {dropped} records logged after it")
+        changed = self._changed_since(state["config"])
+        # Allowed (e.g. a longer run), but the learning-rate and L1 schedules follow the new values from here on.
+        shaping = [c for c in changed if c.startswith(("optim.", "sparsity.l1", "sparsity.reinit", "train.steps:"))]
+        if shaping and self.main:
+            warnings.warn("resuming with settings that change the training from here on: " + "; ".join(shaping),
+                          stacklevel=2)
+        self._event("resume", detail=f"from {latest.name}; dropped {dropped} records logged after it", changed=changed)
+
+    def _changed_since(self, saved: Mapping[str, Any]) -> list[str]:
+        """Settings that differ from the checkpoint's config and may (unlike _RESUME_FIXED's) change on resume."""
+        now = self.cfg.to_dict()
+        return [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for section in ("train", "optim", "sparsity")
+                for a, b in [(saved.get(section, {}), now[section])] for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)]
 
     def _check_resume_config(self, saved: Mapping[str, Any]) -> None:
         now = self.cfg.to_dict()
