@@ -148,3 +148,12 @@ def test_mean_standard_error_is_nan_when_a_task_has_none(runs):
     assert math.isnan(mean.dense_se) and math.isnan(mean.diff_se) and not math.isnan(mean.sparse_se)
     norm_mean = table[(table.status == "mean") & (table.block == "acc_norm")].iloc[0]  # winogrande has no acc_norm
     assert not math.isnan(norm_mean.dense_se)
+
+
+def test_markdown_flags_scores_over_different_documents(runs):
+    runs["sparse"].tasks["winogrande"].n = runs["dense"].tasks["winogrande"].n - 7
+    md = to_markdown(comparison_table(runs), runs)
+    d, sp = runs["dense"].tasks["winogrande"].n, runs["sparse"].tasks["winogrande"].n
+    rows = [l for l in md.splitlines() if l.startswith("| winogrande")]
+    assert rows and all(f"different n: dense {d}, sparse {sp}" in l and f"| {d} / {sp} |" in l for l in rows)
+    assert not any("different n" in l for l in md.splitlines() if l.startswith("| commonsense_qa"))

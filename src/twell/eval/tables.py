@@ -130,7 +130,10 @@ def to_markdown(table: pd.DataFrame, runs: Mapping[str, EvalRun], *, baseline: s
         for r in part.to_dict("records"):
             extra = "" if not paired else (" - |" if pd.isna(r["diff_se_paired"]) else f" {100 * r['diff_se_paired']:.1f} |")
             task = f"{r['task']} **[FIXTURE data]**" if "fixture" in str(r["data"]) else r["task"]
-            lines.append(f"| {task} | {r['metric']} | {int(r['n'])} | {_pm(r[baseline], r[f'{baseline}_se'])} | "
+            n = int(r["n"])
+            if str(r["note"]).startswith("different n"):  # the two scores are not over the same documents
+                task, n = f"{task} **[{r['note']}]**", f"{n} / {int(runs[other].tasks[r['task']].n)}"
+            lines.append(f"| {task} | {r['metric']} | {n} | {_pm(r[baseline], r[f'{baseline}_se'])} | "
                          f"{_pm(r[other], r[f'{other}_se'])} | {_pm(r['diff'], r['diff_se'])} |" + extra)
         lines.append("")
     lines += ["Accuracies in percent ± lm-eval's standard error. The difference's standard error is "
