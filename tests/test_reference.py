@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twell.formats import HybridCapacityError, pack_twell
+from twell.formats import HybridCapacityError
 from twell.nn import SparseFFN
 from twell.reference import (
     dense_gated_ffn, hybrid_gated_ffn, sparse_gated_ffn, twell_ffn, twell_gate, twell_gated_ffn,
