@@ -42,6 +42,19 @@ from twell.train.tracker import SparsityTracker, reinit_dead_gates
 # Settings that must not change when a run is resumed (they define the model or the data order).
 _RESUME_FIXED = {"model": None, "data": ("source", "tokenizer", "vocab_size", "val_fraction", "split_seed"),
                  "train": ("seq_len", "global_batch", "data_seed", "seed")}
+# Sections a resume may change (a longer run, another schedule); the resume event lists what did.
+_RESUME_FREE = {"train": None, "optim": None, "sparsity": None}
+
+
+def _config_diffs(saved: Mapping[str, Any], now: Mapping[str, Any],
+                  sections: Mapping[str, Iterable[str] | None]) -> list[tuple[str, Any, Any]]:
+    """``(section.key, checkpoint value, current value)`` for the keys that differ (None: every key of the section)."""
+    out = []
+    for section, keys in sections.items():
+        a, b = saved.get(section, {}), now[section]
+        out += [(f"{section}.{k}", a.get(k), b.get(k)) for k in (keys or sorted(set(a) | set(b)))
+                if a.get(k) != b.get(k)]
+    return out
 
 
 class TrainingDiverged(RuntimeError):
@@ -177,29 +190,20 @@ class Trainer:
         else:
             dropped = 0
         self._last_ckpt = latest
-        changed = self._changed_since(state["config"])
+        changed = [(k, f"{k}: {a!r} -> {b!r}") for k, a, b in _config_diffs(state["config"], self.cfg.to_dict(),
+                                                                           _RESUME_FREE)]
         # Allowed (e.g. a longer run), but the learning-rate and L1 schedules follow the new values from here on.
-        shaping = [c for c in changed if c.startswith(("optim.", "sparsity.l1", "sparsity.reinit", "train.steps:"))]
+        shaping = [line for k, line in changed
+                   if k.startswith(("optim.", "sparsity.l1", "sparsity.reinit")) or k == "train.steps"]
         if shaping and self.main:
             warnings.warn("resuming with settings that change the training from here on: " + "; ".join(shaping),
                           stacklevel=2)
-        self._event("resume", detail=f"from {latest.name}; dropped {dropped} records logged after it", changed=changed)
-
-    def _changed_since(self, saved: Mapping[str, Any]) -> list[str]:
-        """Settings that differ from the checkpoint's config and may (unlike _RESUME_FIXED's) change on resume."""
-        now = self.cfg.to_dict()
-        return [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for section in ("train", "optim", "sparsity")
-                for a, b in [(saved.get(section, {}), now[section])] for k in sorted(set(a) | set(b))
-                if a.get(k) != b.get(k)]
+        self._event("resume", detail=f"from {latest.name}; dropped {dropped} records logged after it",
+                    changed=[line for _, line in changed])
 
     def _check_resume_config(self, saved: Mapping[str, Any]) -> None:
-        now = self.cfg.to_dict()
-        diffs = []
-        for section, keys in _RESUME_FIXED.items():
-            a, b = saved.get(section, {}), now[section]
-            for k in (keys or sorted(set(a) | set(b))):
-                if a.get(k) != b.get(k):
-                    diffs.append(f"{section}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}")
+        diffs = [f"{k}: checkpoint {a!r} vs now {b!r}"
+                 for k, a, b in _config_diffs(saved, self.cfg.to_dict(), _RESUME_FIXED)]
         if diffs:
             raise ValueError("cannot resume: settings that define the model or the data order changed: " + "; ".join(diffs))
 
@@ -209,9 +213,8 @@ class Trainer:
         saved, now = state.get("data_key"), self.data.meta["key"]
         if saved is None or saved == now:  # None: a checkpoint from before data keys were saved
             return
-        a, b = state["config"].get("data", {}), self.cfg.to_dict()["data"]
-        diffs = [f"data.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                 if a.get(k) != b.get(k)]
+        diffs = [f"{k}: checkpoint {a!r} vs now {b!r}"
+                 for k, a, b in _config_diffs(state["config"], self.cfg.to_dict(), {"data": None})]
         cause = ("changed data settings: " + "; ".join(diffs) if diffs else
                  "no data setting changed, so the source itself did (its files, or the prepared folder given as "
                  "data.source); what changed is unknown")
