@@ -36,7 +36,9 @@ def test_verify_reference_passes_on_random_odd_shapes():
     rng = random.Random(_fresh_seed())
     shapes = [[rng.randrange(2, 300), rng.choice([64, 96, 130]), rng.randrange(100, 700), 8, 0.35],
               [1, 64, 256, 8, 0.1]]
-    table = ks.verify_ops(ref, shapes, seed=rng.randrange(1000), heavy_rows=3, progress=False)
+    # heavy_scale 8: at the default 4, 3 of 1000 draws of these shapes had no row with 15% of H active
+    # (the precondition below); at 8 none did, the smallest margin 1.75x.
+    table = ks.verify_ops(ref, shapes, seed=rng.randrange(1000), heavy_rows=3, progress=False, heavy_scale=8.0)
     ks.assert_verified(table)
     assert set(table["op"]) == set(ks.OPS)
     first = table[table["M"] == shapes[0][0]]

@@ -104,11 +104,13 @@ def heavy_inputs(shape: VerifyShape, heavy_rows: int, seed: int, device, scale: 
 
 
 def verify_ops(ops: ModuleType, shapes: Iterable, device="cpu", seed: int = 0, heavy_rows: int = 4,
-               factor: float = 3.0, reference: ModuleType | None = None, progress: bool = True) -> pd.DataFrame:
+               factor: float = 3.0, reference: ModuleType | None = None, progress: bool = True,
+               heavy_scale: float = 4.0) -> pd.DataFrame:
     """Check ``ops.twell_gate``, ``ops.twell_gated_ffn`` and ``ops.twell_ffn`` against fp64.
 
     ``ops`` is ``twell.kernels`` or ``twell.reference`` (same signatures). For every shape
-    ``[M, D, H, nnz, tail]`` (fresh calibrated inputs, seed + index, ``heavy_rows`` rows made heavy),
+    ``[M, D, H, nnz, tail]`` (fresh calibrated inputs, seed + index, ``heavy_rows`` rows made heavy by
+    scaling x by ``heavy_scale``, see :func:`heavy_inputs`),
     each op's output is compared with an fp64 reference separately on the heavy rows and on the
     other rows (the heavy rows dominate the norm and would hide errors elsewhere). Passes when
     ``err <= factor * dense_bf16_err + 1e-4`` and the output is finite. When ``reference`` is given
@@ -128,7 +130,7 @@ def verify_ops(ops: ModuleType, shapes: Iterable, device="cpu", seed: int = 0, h
     device = torch.device(device)
     rows_out = []
     for i, shape in enumerate(tqdm(shapes, desc="verify", unit="shape", disable=not progress)):
-        inp, heavy = heavy_inputs(shape, heavy_rows, seed + i, device)
+        inp, heavy = heavy_inputs(shape, heavy_rows, seed + i, device, scale=heavy_scale)
         x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
         wdt = wd.t().contiguous()
         stats = sparsity_stats(F.relu(F.linear(x, wg)))
