@@ -8,6 +8,9 @@
 #   CKPT      checkpoint directory to benchmark (default: the one this script trains)
 #   LAYERS    decoder layers of the retrain (default 4: layers with few and with tens of active neurons)
 #   BUDGET_S  seconds of the retrain, start to checkpoint (default 360)
+#   STEPS     optimizer steps of the retrain (default: the config's 18000; set it to what BUDGET_S fits so that
+#             the schedule ends)
+#   TRAIN_SET more overrides of the retrain, e.g. "--set sparsity.l1_coef=1e-5"
 #   DATA      prepared data directory whose val split feeds the model (default .device/data/python311_docs-bpe8192)
 #   IMPLS     implementations (default "twell-kernel twell-kernel-ops twell-kernel-union")
 #   TAG       suffix of the bench files (default real)
@@ -30,7 +33,7 @@ esac
 mkdir -p "$OUT"
 if [[ -z "${CKPT:-}" ]]; then
   BEFORE=$(ls -d /tmp/twell_small.* 2>/dev/null || true)  # so that an earlier run's checkpoint is not taken
-  EXTRA="--set model.num_layers=${LAYERS:-4}" BUDGET_S="${BUDGET_S:-360}" OUT="$OUT/train" DATA="$DATA" \
+  EXTRA="--set model.num_layers=${LAYERS:-4} ${TRAIN_SET:-}" BUDGET_S="${BUDGET_S:-360}" OUT="$OUT/train" DATA="$DATA" \
     bash scripts/train_small_gpu.sh sparse
   CKPT=$(comm -13 <(echo "$BEFORE" | sort) <(ls -d /tmp/twell_small.* | sort) | head -1)/small/final
   [[ -f "$CKPT/config.json" ]] || { echo "no checkpoint at $CKPT" >&2; exit 1; }

@@ -1,0 +1,118 @@
+"""twell.reports.real_layers: real (checkpoint layer) cases pooled over benchmark JSONs."""
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+from matplotlib.figure import Figure
+
+from twell.paths import repo_root
+from twell.reports import real_layers as rl
+
+
+def _case(layer: int, nnz: float, speedups: dict[str, float], ok: bool = True, M: int = 65536) -> dict:
+    return {"case": {"kind": "real", "sparsity": f"layer{layer}", "M": M, "D": 2048, "H": 5632, "layer": layer},
+            "sparsity": {"mean_active": nnz, "max_active": int(nnz * 10), "p99_active": nnz * 4,
+                         "union_reuse_64": 5.0},
+            "dense": {"timing": {"median_ms": 7.0}},
+            "impls": {name: {"ok": ok, "speedup": s, "rel_err": 1e-3, "timing": {"median_ms": 7.0 / s}}
+                      for name, s in speedups.items()}}
+
+
+def _result(timestamp: str, cases: list[dict], reps: int = 30, device: str = "cuda", code: dict | None = None) -> dict:
+    meta = {"timestamp": timestamp, "device": device, "device_name": "NVIDIA H100 80GB HBM3", "clock": "cuda-events",
+            "config": {"reps": reps, "warmup": 3, "flush_l2": True, "energy": True, "energy_seconds": 2.0,
+                       "memory": True, "checkpoint": "/tmp/ckpt"}}
+    if code is not None:
+        meta["code"] = code
+    return {"meta": meta, "complete": True, "cases": cases, "failures": [], "unavailable": {}}
+
+
+@pytest.fixture
+def bench_dir(tmp_path):
+    d = tmp_path / "bench"
+    d.mkdir()
+    both = ("twell-kernel", "twell-kernel-union")
+    (d / "ffn-a.json").write_text(json.dumps(_result("2026-11-25T10:00:00+00:00", [
+        _case(0, 6.0, dict(zip(both, (2.9, 2.7)))), _case(1, 40.0, dict(zip(both, (1.6, 2.1))))])))
+    (d / "ffn-b.json").write_text(json.dumps(_result("2026-11-26T10:00:00+00:00", [
+        _case(0, 25.0, dict(zip(both, (2.0, 2.4)))), _case(1, 90.0, dict(zip(both, (0.9, 1.6)))),
+        _case(2, 12.0, {"twell-kernel": 2.5, "twell-kernel-union": 9.9}, ok=False),
+    ], code={"csrc": "abc123"})))
+    # Skipped: a generator-only run, a run below the protocol, a CPU run, files that are no results.
+    gen = _result("2026-11-26T11:00:00+00:00", [_case(0, 29.0, {"twell-kernel": 1.8})])
+    gen["cases"][0]["case"]["kind"] = "inference"
+    (d / "ffn-gen.json").write_text(json.dumps(gen))
+    (d / "ffn-quick.json").write_text(json.dumps(_result("2026-11-26T12:00:00+00:00",
+                                                         [_case(0, 29.0, {"twell-kernel": 5.0})], reps=5)))
+    (d / "ffn-cpu.json").write_text(json.dumps(_result("2026-11-26T12:00:00+00:00",
+                                                       [_case(0, 29.0, {"twell-kernel": 5.0})], device="cpu")))
+    (d / "ffn-broken.json").write_text("{not json")
+    (d / "parts-x.json").write_text(json.dumps(_result("2026-11-26T12:00:00+00:00",
+                                                       [_case(0, 29.0, {"twell-kernel": 5.0})])))
+    return d
+
+
+def test_table_pools_real_layers_of_protocol_runs(bench_dir):
+    t = rl.real_layer_table([bench_dir, bench_dir / ".." / "bench", bench_dir / "missing"])  # same dir twice
+    assert list(t.columns) == rl.COLUMNS
+    assert len(t) == 10 and set(t["run"]) == {"a", "b"}  # 5 layers x 2 implementations, each once
+    assert 5.0 not in set(t["speedup"])  # the quick and CPU runs (5.0x) are left out
+    row = t[(t["run"] == "b") & (t["layer"] == 1) & (t["impl"] == "twell-kernel-union")].iloc[0]
+    assert row["nnz mean"] == 90.0 and row["speedup"] == 1.6 and row["correct"] == "yes"
+    assert row["csrc"] == "abc123" and row["reuse 64"] == 5.0 and row["M"] == 65536
+    assert set(t[t["run"] == "a"]["csrc"]) == {"not recorded"}
+    assert set(t[(t["layer"] == 2)]["correct"]) == {"no"}
+    assert rl.real_layer_table([bench_dir / "missing"]).empty
+
+
+def test_bar_brackets_name_the_nearest_correct_layers(bench_dir):
+    t = rl.real_layer_table([bench_dir])
+    b = rl.bar_brackets(t, "twell-kernel-union").set_index("bar case")
+    assert list(b.index) == ["nnz8", "nnz29", "nnz64"]
+    assert (b.loc["nnz8", "below nnz"], b.loc["nnz8", "below speedup"]) == (6.0, 2.7)
+    # The wrong layer at nnz 12 (9.9x) is not a bracket: the next correct layer above 8 is at 25.
+    assert (b.loc["nnz8", "above nnz"], b.loc["nnz8", "above speedup"]) == (25.0, 2.4)
+    assert b.loc["nnz29", "below layer"] == "b layer 0" and b.loc["nnz29", "above layer"] == "a layer 1"
+    assert (b.loc["nnz64", "below nnz"], b.loc["nnz64", "above nnz"]) == (40.0, 90.0)
+    assert b.loc["nnz64", "bar"] == 1.5
+    empty = rl.bar_brackets(t, "no-such-impl")
+    assert empty["below nnz"].isna().all() and (empty["above layer"] == "").all()
+
+
+def test_plot_marks_layers_bars_generator_and_wrong_results(bench_dir):
+    t = rl.real_layer_table([bench_dir])
+    gen = rl.pd.DataFrame([{"shape": "inference", "M": 65536, "case": c, "nnz mean": n, "speedup": s,
+                            "impl": "twell-kernel"}
+                           for c, n, s in (("nnz8", 8.0, 2.7), ("nnz29", 29.0, 1.8), ("nnz64", 64.0, 1.2),
+                                           ("nnz29-heavy", 29.0, 2.1))])
+    fig = rl.plot_real_layers(t, gen, "ffn-gen.json")
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    labels = [txt.get_text() for txt in ax.get_legend().get_texts()]
+    assert any("per-row" in s for s in labels) and any("block-union" in s for s in labels)
+    assert any("generator" in s and "ffn-gen.json" in s for s in labels)
+    assert any("WRONG" in s for s in labels) and any("speed bar" in s for s in labels)
+    gen_line = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert len(gen_line) == 1 and list(gen_line[0].get_xdata()) == [8.0, 29.0, 64.0]  # heavy tail left out
+    assert "5 layers of 2 benchmark runs" in fig._suptitle.get_text()
+    only_row = rl.plot_real_layers(t, impls=("twell-kernel",))
+    assert not any("block-union" in s.get_text() for s in only_row.axes[0].get_legend().get_texts())
+    with pytest.raises(ValueError, match="no real layers"):
+        rl.plot_real_layers(t.iloc[0:0])
+    with pytest.raises(ValueError, match="no real layers"):
+        rl.plot_real_layers(t, impls=("no-such-impl",))
+
+
+def test_committed_runs_hold_real_layers_at_every_bar_range():
+    """The committed H100 runs (reports/bench) cover nnz below 8 and above 64, all correct."""
+    t = rl.real_layer_table([repo_root() / "reports" / "bench"])
+    if t.empty:
+        pytest.skip("no committed benchmark runs with real layers")
+    assert (t["correct"] == "yes").all()
+    assert t["nnz mean"].min() < 8 and t["nnz mean"].max() > 64
+    assert t["speedup"].notna().all()
