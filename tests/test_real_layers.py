@@ -52,21 +52,36 @@ def bench_dir(tmp_path):
     (d / "ffn-cpu.json").write_text(json.dumps(_result("2026-11-26T12:00:00+00:00",
                                                        [_case(0, 29.0, {"twell-kernel": 5.0})], device="cpu")))
     (d / "ffn-broken.json").write_text("{not json")
+    partial = _result("2026-11-26T12:00:00+00:00", [_case(0, 29.0, {"twell-kernel": 5.0})])
+    partial["complete"] = False  # a run that stopped part-way
+    (d / "ffn-partial.json").write_text(json.dumps(partial))
+    # A layer at another M is listed but does not bracket the bars (defined at M = 65536).
+    (d / "ffn-smallM.json").write_text(json.dumps(_result("2026-11-26T13:00:00+00:00",
+                                                          [_case(0, 28.0, {"twell-kernel-union": 3.3}, M=8192)])))
     (d / "parts-x.json").write_text(json.dumps(_result("2026-11-26T12:00:00+00:00",
                                                        [_case(0, 29.0, {"twell-kernel": 5.0})])))
     return d
 
 
-def test_table_pools_real_layers_of_protocol_runs(bench_dir):
-    t = rl.real_layer_table([bench_dir, bench_dir / ".." / "bench", bench_dir / "missing"])  # same dir twice
+def test_table_pools_real_layers_of_protocol_runs(bench_dir, tmp_path):
+    copy = tmp_path / "scratch"
+    copy.mkdir()
+    (copy / "ffn-a.json").write_text((bench_dir / "ffn-a.json").read_text())  # the same run in a second folder
+    t = rl.real_layer_table([bench_dir, bench_dir / ".." / "bench", copy, bench_dir / "missing"])
     assert list(t.columns) == rl.COLUMNS
-    assert len(t) == 10 and set(t["run"]) == {"a", "b"}  # 5 layers x 2 implementations, each once
-    assert 5.0 not in set(t["speedup"])  # the quick and CPU runs (5.0x) are left out
+    assert len(t) == 11 and set(t["run"]) == {"a", "b", "smallM"}  # 5 layers x 2 implementations + 1, each once
+    assert 5.0 not in set(t["speedup"])  # the quick, CPU and partial runs (5.0x) are left out
+    assert set(t["device"]) == {"NVIDIA H100 80GB HBM3"}
     row = t[(t["run"] == "b") & (t["layer"] == 1) & (t["impl"] == "twell-kernel-union")].iloc[0]
     assert row["nnz mean"] == 90.0 and row["speedup"] == 1.6 and row["correct"] == "yes"
     assert row["csrc"] == "abc123" and row["reuse 64"] == 5.0 and row["M"] == 65536
     assert set(t[t["run"] == "a"]["csrc"]) == {"not recorded"}
     assert set(t[(t["layer"] == 2)]["correct"]) == {"no"}
+    # write_outputs' names carry the device; the run column drops it.
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "ffn-NVIDIA-H100-80GB-HBM3-20261126T171534Z-real6-s32.json").write_text((bench_dir / "ffn-a.json").read_text())
+    assert set(rl.real_layer_table([named])["run"]) == {"20261126T171534Z-real6-s32"}
     assert rl.real_layer_table([bench_dir / "missing"]).empty
 
 
@@ -77,6 +92,7 @@ def test_bar_brackets_name_the_nearest_correct_layers(bench_dir):
     assert (b.loc["nnz8", "below nnz"], b.loc["nnz8", "below speedup"]) == (6.0, 2.7)
     # The wrong layer at nnz 12 (9.9x) is not a bracket: the next correct layer above 8 is at 25.
     assert (b.loc["nnz8", "above nnz"], b.loc["nnz8", "above speedup"]) == (25.0, 2.4)
+    # The 8192-token layer at nnz 28 (3.3x) is not the nearest below 29: the bars are at M = 65536.
     assert b.loc["nnz29", "below layer"] == "b layer 0" and b.loc["nnz29", "above layer"] == "a layer 1"
     assert (b.loc["nnz64", "below nnz"], b.loc["nnz64", "above nnz"]) == (40.0, 90.0)
     assert b.loc["nnz64", "bar"] == 1.5
@@ -99,7 +115,8 @@ def test_plot_marks_layers_bars_generator_and_wrong_results(bench_dir):
     assert any("WRONG" in s for s in labels) and any("speed bar" in s for s in labels)
     gen_line = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
     assert len(gen_line) == 1 and list(gen_line[0].get_xdata()) == [8.0, 29.0, 64.0]  # heavy tail left out
-    assert "5 layers of 2 benchmark runs" in fig._suptitle.get_text()
+    assert "6 layers of 3 benchmark runs" in fig._suptitle.get_text()
+    assert "M = 8192/65536" in fig._suptitle.get_text() and "NVIDIA H100 80GB HBM3" in fig._suptitle.get_text()
     only_row = rl.plot_real_layers(t, impls=("twell-kernel",))
     assert not any("block-union" in s.get_text() for s in only_row.axes[0].get_legend().get_texts())
     with pytest.raises(ValueError, match="no real layers"):

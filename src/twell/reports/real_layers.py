@@ -23,7 +23,7 @@ from matplotlib.lines import Line2D
 from twell.bench.ffn import protocol_deviations
 from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, load_bench
 
-COLUMNS = ["run", "measured at", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
+COLUMNS = ["run", "measured at", "device", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
            "dense ms", "sparse ms", "speedup", "rel. error", "correct", "csrc"]
 _IMPL_STYLE = {  # the per-row default and the block-union rule; any other implementation gets a grey square
     "twell-kernel": dict(marker="o", color="tab:blue", mfc="tab:blue", label="twell-kernel (per-row)"),
@@ -37,25 +37,26 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
     (its name less ``ffn-`` and the device); ``reuse 64`` is the active (row, neuron)
     pairs per distinct neuron in blocks of 64 rows (what the block-union path can save; NaN in runs
     older than that statistic); ``csrc`` the kernel sources' digest (``not recorded`` before
-    session 30). Files that are not benchmark results are skipped; a file found twice counts once."""
+    session 30). Files that are not benchmark results, and runs that did not finish, are skipped; a
+    file found in two folders (same name) counts once."""
     rows, seen = [], set()
     for d in dirs:
         d = Path(d)
         if not d.is_dir():
             continue
         for path in sorted(d.glob(pattern)):
-            if path.resolve() in seen:
+            if path.name in seen:
                 continue
-            seen.add(path.resolve())
             try:
                 result = load_bench(path)
             except (ValueError, OSError):
                 continue
             meta = result["meta"]
-            if protocol_deviations(meta.get("config", {})):
+            if protocol_deviations(meta.get("config", {})) or not result.get("complete", True):
                 continue
+            seen.add(path.name)
             # The file's stem less "ffn-" and the device (write_outputs names files ffn-<device>-<stamp>-<tag>).
-            dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device_name"]).strip("-")[:40]
+            dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device_name"]).strip("-")[:40] or "device"
             run = path.stem.removeprefix("ffn-").removeprefix(f"{dev}-")
             for r in result["cases"]:
                 c, s = r["case"], r["sparsity"]
@@ -63,7 +64,7 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
                     continue
                 for impl, v in r.get("impls", {}).items():
                     rows.append({
-                        "run": run, "measured at": meta["timestamp"],
+                        "run": run, "measured at": meta["timestamp"], "device": meta["device_name"],
                         "checkpoint": meta.get("config", {}).get("checkpoint") or "",
                         "layer": int(c.get("layer", -1)), "M": int(c["M"]), "nnz mean": s["mean_active"],
                         "nnz p99": s.get("p99_active", math.nan), "nnz max": s["max_active"],
@@ -79,9 +80,10 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
 
 
 def bar_brackets(table: pd.DataFrame, impl: str) -> pd.DataFrame:
-    """For each nnz bar (8, 29, 64): the nearest layer of ``impl`` below and above that nnz, with their
-    speedups, so a reader sees what real layers around the bar reach (no interpolation)."""
-    sub = table[(table["impl"] == impl) & (table["correct"] == "yes")]
+    """For each nnz bar (8, 29, 64): the nearest correct layer of ``impl`` at the bars' M (65536 tokens)
+    below and above that nnz, with their speedups, so a reader sees what real layers around the bar
+    reach (no interpolation)."""
+    sub = table[(table["impl"] == impl) & (table["correct"] == "yes") & (table["M"] == BAR_M)]
     out = []
     for case, bar in SPEED_BAR.items():
         if case == HEAVY_CASE:
@@ -153,7 +155,8 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
     layers = len(table.groupby(["run", "layer"]))
     first, last = table["measured at"].min()[:10], table["measured at"].max()[:10]
     Ms = "/".join(str(m) for m in sorted(table["M"].unique()))
+    devices = ", ".join(sorted(table["device"].unique()))
     fig.suptitle(f"Sparse FFN on real activations: {layers} layers of {runs} benchmark runs of trained checkpoints\n"
-                 f"(M = {Ms} tokens per layer; runs of {first} to {last}; H100)", fontsize=11)
+                 f"(M = {Ms} tokens per layer; runs of {first} to {last}; {devices})", fontsize=11)
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     return fig
