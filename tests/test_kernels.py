@@ -7,6 +7,7 @@ call; outputs poisoned with NaN beforehand so an unwritten element fails.
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -565,6 +566,80 @@ def test_choose_union_paths_keeps_per_row_where_the_rule_times_slower(monkeypatc
     assert choose_union_paths(f, x, min_gain=0.0)[0]["union"] == UNION_RULE
     report = choose_union_paths(f, x, timed=False)
     assert f.union == UNION_RULE and report[0]["per_row_ms"] is None
+
+
+def test_choose_union_paths_times_dense_against_sparse_for_auto_layers(monkeypatch):
+    """An "auto" layer's dense-or-sparse choice comes from the chooser's timing (replaced here, so the
+    decision is what is tested), not from its 1% activity threshold: a layer with 2% active (dense by
+    the threshold) runs sparse when that times faster, dense when dense is at least min_gain faster;
+    layers with another path and timed=False keep their own rule; reset_auto goes back to the threshold."""
+    from twell.model import choose_union_paths, union_paths
+
+    x, wg, wu, wd = inputs(2048, 1024, 2048, nnz=40, dead=0.95, seed=4)
+    f = module_with(wg, wu, wd)
+    with torch.no_grad():
+        f(x), f(x)
+    assert f.last_path == "dense" and "dense from the next call on" in f.auto_note  # the threshold's choice
+    calls = []
+    monkeypatch.setattr(union_paths, "ffn_times", lambda *a: (1.0, 0.5))  # the rule wins
+    times = {"t": (1.0, 0.5)}
+    monkeypatch.setattr(union_paths, "path_times", lambda ff, xx, union, reps: calls.append(union) or times["t"])
+    with pytest.warns(UserWarning, match="calibration tokens"):
+        report = choose_union_paths(f, x)
+    assert report[0]["runs"] == "sparse" and (report[0]["dense_ms"], report[0]["sparse_ms"]) == (1.0, 0.5), report
+    assert calls == [f.union] and f.union != (0.0, 0.0)  # timed with the union setting it chose
+    with torch.no_grad():
+        out = f(x)
+    assert f.last_path == "twell-kernel" and "timed by choose_union_paths" in f.auto_note, f.auto_note
+    assert torch.equal(out, kernels.sparse_gated_ffn(x, wg, wu, f.w_down_t(), f.tile, f.compression, union=f.union))
+    for t, runs in (((0.5, 1.0), "dense"), ((0.99, 1.0), "sparse"), ((0.97, 1.0), "dense")):  # 2% margin
+        times["t"] = t
+        with pytest.warns(UserWarning):
+            assert choose_union_paths(f, x)[0]["runs"] == runs, t
+        with torch.no_grad():
+            f(x)
+        assert f.last_path == ("dense" if runs == "dense" else "twell-kernel"), (t, f.last_path)
+    f.reset_auto()
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing timed: no warning either
+        report = choose_union_paths(f, x, timed=False)
+    # Its calibration forward was the layer's first "auto" call since the reset: the threshold decided.
+    assert report[0]["runs"] is None and not calls and "dense from the next call on" in f.auto_note, f.auto_note
+    with torch.no_grad():
+        f(x)
+    assert f.last_path == "dense"
+    f.path = "kernel"
+    with pytest.warns(UserWarning):
+        report = choose_union_paths(f, x)
+    assert report[0]["runs"] is None and not calls
+    # A layer "auto" would not run on the kernels: tracking (dense for its statistics).
+    f.path = "auto"
+    f.track = True
+    with pytest.warns(UserWarning):
+        report = choose_union_paths(f, x)
+    assert report[0]["runs"] is None and not calls and f.last_path == "dense"
+
+
+def test_choose_union_paths_auto_layer_runs_what_it_timed():
+    """Real timings at the benchmark's width: the report's verdict follows its own times, and the layer
+    then runs that path (dense: the dense expression; sparse: the one op with the chosen rule)."""
+    from twell.model import choose_union_paths
+
+    M = 16384
+    x, wg, wu, wd = inputs(M, 2048, 5632, nnz=80, dead=0.9, seed=5)
+    f = module_with(wg, wu, wd)
+    (r,) = choose_union_paths(f, x)
+    assert r["runs"] in ("dense", "sparse") and r["dense_ms"] > 0 and r["sparse_ms"] > 0, r
+    assert (r["runs"] == "dense") == (r["dense_ms"] <= r["sparse_ms"] * 0.98), r
+    with torch.no_grad():
+        out = f(x)
+        if r["runs"] == "dense":
+            assert f.last_path == "dense" and torch.equal(out, f.down_proj(f.hidden(x)[1]))
+        else:
+            ref = kernels.sparse_gated_ffn(x, wg, wu, f.w_down_t(), f.tile, f.compression, union=r["union"])
+            assert f.last_path == "twell-kernel" and torch.equal(out, ref)
+    check_ffn(out, x, wg, wu, wd)
 
 
 def test_union_path_shape_limits():

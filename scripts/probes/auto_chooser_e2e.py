@@ -13,9 +13,9 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 
+from chooser_e2e import val_ids  # same directory
 from twell.bench.timing import time_alternating
 from twell.model import choose_union_paths, load_pretrained
 from twell.model.llama import sparse_ffns
@@ -25,10 +25,7 @@ def main(ckpt, val_bin, out_json, batch=64, seq=1024):
     model, _ = load_pretrained(ckpt, ffn_path="auto", device="cuda", dtype=torch.bfloat16)
     model.eval()
     ffns = sparse_ffns(model)
-    toks = np.memmap(val_bin, dtype=np.uint16, mode="r")
-    if len(toks) < batch * seq:
-        raise SystemExit(f"{val_bin}: {len(toks)} tokens, need {batch * seq}")
-    ids = torch.from_numpy(np.asarray(toks[:batch * seq], dtype=np.int64)).view(batch, seq).cuda()
+    ids = val_ids(val_bin, batch, seq)
 
     with torch.no_grad():
         model(ids)  # first "auto" call of every layer: the threshold decides

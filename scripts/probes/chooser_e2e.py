@@ -26,15 +26,20 @@ from twell.reference.ffn import UNION_RULE
 OFF = (0.0, 0.0)
 
 
+def val_ids(val_bin, batch, seq):
+    """The first batch x seq tokens of a prepared val.bin, in order, as a [batch, seq] CUDA tensor."""
+    toks = np.memmap(val_bin, dtype=np.uint16, mode="r")
+    if len(toks) < batch * seq:
+        raise SystemExit(f"{val_bin}: {len(toks)} tokens, need {batch * seq}")
+    return torch.from_numpy(np.asarray(toks[:batch * seq], dtype=np.int64)).view(batch, seq).cuda()
+
+
 def main(ckpt, val_bin, out_json, batch=64, seq=1024):
     model, _ = load_pretrained(ckpt, ffn_path="dense", device="cuda", dtype=torch.bfloat16)
     model.eval()
     set_ffn_path(model, "kernel")
     ffns = sparse_ffns(model)
-    toks = np.memmap(val_bin, dtype=np.uint16, mode="r")
-    if len(toks) < batch * seq:
-        raise SystemExit(f"{val_bin}: {len(toks)} tokens, need {batch * seq}")
-    ids = torch.from_numpy(np.asarray(toks[:batch * seq], dtype=np.int64)).view(batch, seq).cuda()
+    ids = val_ids(val_bin, batch, seq)
 
     with torch.no_grad():
         model(ids)  # build and warm the kernels before timing the chooser

@@ -1,4 +1,5 @@
-"""Per-layer choice of the fused kernel's block-union path from a calibration batch.
+"""Per-layer choice of the fused kernel's block-union path from a calibration batch (and, for layers
+on path "auto", of dense or sparse, by timing both).
 
 The block-union path (csrc/twell_union.cu) pays on layers whose tokens share many active neurons
 and loses on the others: its plan costs ~0.1 ms per call at 65536 tokens even where no block
@@ -47,6 +48,17 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     (None where not timed), ``union`` and ``why``.
     Feed batches like the ones you will serve: the share depends on how consecutive tokens share
     neurons, so sequences should be in order.
+
+    With ``timed``, a layer whose ``path`` is ``"auto"`` also gets its dense-or-sparse choice from
+    timing rather than from its activity threshold (``auto_max_active``, 1% of H): its sparse FFN with
+    the chosen ``union`` against dense PyTorch on the same inputs (``dense_ms``, ``sparse_ms``); it
+    stays sparse unless dense is at least ``min_gain`` faster. Trained layers with 1.5-1.9% active ran
+    1.10-1.66x faster than dense with the rule, where the threshold sent them to dense
+    (csrc/NOTES.md, session 32). ``runs`` reports the outcome (``"sparse"`` or ``"dense"``; None where
+    nothing was timed: another path, ``timed=False``, a layer the union analysis does not cover (it
+    keeps the threshold), a tracking layer, or inputs "auto" would not run on the kernels). The choice
+    lasts until ``SparseFFN.reset_auto()`` or a new ``path``, which go back to the threshold; a later
+    call with ``timed=False`` does not undo it.
     """
     from twell import kernels
 
@@ -78,12 +90,17 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     for i, f in enumerate(ffns):
         if not seen[i]:
             raise RuntimeError(f"layer {i}: the SparseFFN was not called by the calibration forward")
-        x = torch.cat(seen[i]).to(torch.bfloat16).contiguous()
+        seen_x = torch.cat(seen[i])
+        x = seen_x.to(torch.bfloat16).contiguous()
         seen[i] = []
         row = {"layer": i, "tokens": x.shape[0], "active_per_token": None,
                "blocks": -(-x.shape[0] // UNION_BLOCK), "union_blocks": 0, "share": 0.0, "per_row_ms": None,
-               "union_ms": None, "union": (0.0, 0.0), "why": ""}
+               "union_ms": None, "union": (0.0, 0.0), "dense_ms": None, "sparse_ms": None, "runs": None, "why": ""}
         reason = _unsupported(f, x)
+        # "auto" gets timed only where it would run the kernels on these inputs: not a tracking layer
+        # (dense for its statistics), not an input dtype or tiling the sparse paths refuse.
+        time_auto = (timed and reason is None and f.path == "auto" and not f.track
+                     and not f._no_sparse(seen_x) and not f._no_kernel(seen_x))
         if reason is None:
             gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)
             plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), ratio=rule[0], base=rule[1])
@@ -91,11 +108,11 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
             row.update(active_per_token=float(gate.nnz_per_row().float().mean()), union_blocks=plan["union_blocks"],
                        share=share)
             reason = f"{share:.0%} of blocks qualify ({'>=' if share >= min_share else '<'} {min_share:.0%})"
+            if (time_auto or timed and share >= min_share) and x.shape[0] < MIN_TIMED_TOKENS:
+                warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
+                              "the paths is noisy (the union / per-row ratio moved by up to 0.2 at 4096 tokens), so the "
+                              "choice may flip between calls", stacklevel=2)
             if share >= min_share and timed:
-                if x.shape[0] < MIN_TIMED_TOKENS:
-                    warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
-                                  "the two paths is noisy (the ratio moved by up to 0.2 at 4096 tokens), so the choice "
-                                  "may flip between calls", stacklevel=2)
                 per_row, union = ffn_times(f, x, rule, reps)
                 row.update(per_row_ms=per_row, union_ms=union)
                 reason += f"; sparse FFN {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
@@ -106,9 +123,33 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
             elif share >= min_share:
                 row["union"] = rule
         f.union = row["union"]
+        if time_auto:
+            dense, sparse = path_times(f, x, row["union"], reps)
+            runs = "dense" if dense <= sparse * (1.0 - min_gain) else "sparse"
+            row.update(dense_ms=dense, sparse_ms=sparse, runs=runs)
+            verdict = f"{runs} (dense {dense:.3f} ms, sparse {sparse:.3f} ms)"
+            reason += f"; auto runs {verdict}"
+            active = 100 * row["active_per_token"] / f.intermediate_size
+            f.set_auto_choice(runs == "dense", f"auto: {verdict}, timed by choose_union_paths on "
+                                               f"{x.shape[0]} tokens ({active:.2f}% active)")
         row["why"] = reason
         report.append(row)
     return report
+
+
+def path_times(f, x: torch.Tensor, union: tuple[float, float], reps: int) -> tuple[float, float]:
+    """Median ms of the layer's dense path and of its sparse FFN with ``union`` on x (alternating
+    calls, L2 flushed before each, as the benchmark times them)."""
+    from twell import kernels
+    from twell.bench.timing import time_alternating
+
+    wg, wu, wdt = f.gate_proj.weight, f.up_proj.weight, f.w_down_t()
+    with torch.no_grad():
+        t = time_alternating({"dense": lambda: f.down_proj(f.hidden(x)[1]),  # what _dense runs, untracked
+                              "sparse": lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, f.tile, f.compression,
+                                                                         union=union)},
+                             x.device, reps=reps, warmup=3)
+    return t["dense"].median_ms, t["sparse"].median_ms
 
 
 def ffn_times(f, x: torch.Tensor, rule: tuple[float, float], reps: int) -> tuple[float, float]:

@@ -16,11 +16,12 @@ and chooses *how* through one interface:
   ``"auto"``: the kernels when they can run the layer on this input; else the reference (CPU input,
   kernels unavailable, a shape the kernels do not take such as D > 2048); else dense (bias, dtypes
   other than bfloat16: no sparse path takes them). ``last_path`` records what ran and ``auto_note``
-  why auto left the kernels. Sparse paths need ``activation="relu"``. On its first kernel call,
-  ``"auto"`` also measures the layer's activity (one host sync, once): a layer with more than
-  ``auto_max_active`` of its neurons active per token runs dense from then on, and ``auto_note`` says
-  why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
-  recomputed; measured 19x slower on a 23%-active model).
+  why auto left the kernels (or what decided it). Sparse paths need ``activation="relu"``. On its first
+  kernel call, ``"auto"`` also measures the layer's activity (one host sync, once): a layer with more
+  than ``auto_max_active`` of its neurons active per token runs dense from then on, and ``auto_note``
+  says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
+  recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
+  that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
 A gated layer runs its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
 call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"auto"`` measuring):
@@ -168,9 +169,19 @@ class SparseFFN(nn.Module):
         self._union = check_union_rule(value)
 
     def reset_auto(self) -> None:
-        """Forget the activity that ``"auto"`` measured (e.g. after loading other weights)."""
+        """Forget the activity that ``"auto"`` measured, or the choice set_auto_choice made (e.g. after
+        loading other weights)."""
         self._auto_dense = None
         self.auto_note = self._activity_note = None
+
+    def set_auto_choice(self, dense: bool, note: str) -> None:
+        """Fix what ``"auto"`` runs from now on (dense, or the sparse path) in place of the activity
+        threshold it would apply on its next call; ``note`` becomes ``auto_note`` (why). Lasts until
+        :meth:`reset_auto` or a new ``path``. Where "auto" cannot run the kernels on an input (CPU, dtype,
+        shape), it still takes the reference or dense for that input. Used by
+        ``twell.model.choose_union_paths``, which times both on real inputs."""
+        self._auto_dense = bool(dense)
+        self.auto_note = self._activity_note = note
 
     @classmethod
     def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: Optional[str] = None) -> "SparseFFN":
