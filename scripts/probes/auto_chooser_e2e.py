@@ -5,8 +5,10 @@ On batch x seq validation tokens in sequence order (one forward, so each FFN see
 every layer on path "auto":
 - threshold: each layer decides on its first call (dense above auto_max_active, 1% of H), per-row;
 - chooser: choose_union_paths(model, ids) (union rule and dense-or-sparse, both timed);
-- forward time of the two settings (BENCHMARK.md protocol: alternating, L2 flushed, median of 30), the
-  paths each layer ran, and the relative difference of the chooser model's logits from the threshold's.
+- dense: every layer dense, the model's dense baseline;
+- forward time of the three settings (BENCHMARK.md protocol: alternating, L2 flushed, median of 30), the
+  paths each layer ran, and the relative difference of the chooser and threshold models' logits from the
+  dense model's and from each other.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/auto_chooser_e2e.py CKPT_DIR VAL_BIN OUT_JSON [batch] [seq]
 """
 import json
@@ -46,14 +48,19 @@ def main(ckpt, val_bin, out_json, batch=64, seq=1024):
                 return model(ids).logits
         return call
 
-    fwd = {"threshold": forward(threshold), "chooser": forward(chosen)}
+    dense = [(True, "every layer dense (probe baseline)", None)] * len(ffns)
+    fwd = {"dense": forward(dense), "threshold": forward(threshold), "chooser": forward(chosen)}
     times = time_alternating(fwd, "cuda", reps=30)
     paths = {}
     for name, call in fwd.items():
         call()
         paths[name] = [f.last_path for f in ffns]
-    base = fwd["threshold"]().float()
-    diff = ((fwd["chooser"]().float() - base).norm() / base.norm()).item()
+    logits = {k: call().float() for k, call in fwd.items()}
+
+    def rel(a, b):
+        return ((logits[a] - logits[b]).norm() / logits[b].norm()).item()
+
+    diff = rel("chooser", "threshold")
     out = {
         "checkpoint": ckpt, "tokens": batch * seq, "choose_seconds": choose_s,
         "forward_ms": {k: v.median_ms for k, v in times.items()},
@@ -61,11 +68,14 @@ def main(ckpt, val_bin, out_json, batch=64, seq=1024):
         "threshold_notes": [t[1] for t in threshold],
         "chooser_report": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()} for r in report],
         "logits_rel_diff_chooser_vs_threshold": diff,
+        "logits_rel_diff_vs_dense": {k: rel(k, "dense") for k in ("threshold", "chooser")},
     }
     with open(out_json, "w") as fh:
         json.dump(out, fh, indent=1)
-    print(f"chooser took {choose_s:.2f} s; forward ms: threshold {out['forward_ms']['threshold']:.3f}, "
-          f"chooser {out['forward_ms']['chooser']:.3f}; logits rel. diff {diff:.2e}")
+    ms = out["forward_ms"]
+    print(f"chooser took {choose_s:.2f} s; forward ms: dense {ms['dense']:.3f}, threshold {ms['threshold']:.3f} "
+          f"({ms['dense'] / ms['threshold']:.3f}x), chooser {ms['chooser']:.3f} ({ms['dense'] / ms['chooser']:.3f}x); "
+          f"logits rel. diff chooser vs threshold {diff:.2e}, vs dense {out['logits_rel_diff_vs_dense']}")
     for r, p0, p1 in zip(report, paths["threshold"], paths["chooser"]):
         print(f"layer {r['layer']}: {r['active_per_token']:.1f} active; threshold ran {p0}; chooser ran {p1} "
               f"(union {r['union']}, dense {r['dense_ms']} ms, sparse {r['sparse_ms']} ms)")
