@@ -688,13 +688,17 @@ def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
     return rows
 
 
+def device_slug(device_name: str) -> str:
+    """The device part of a result's file name: ffn-<device_slug>-<timestamp>[-tag].json."""
+    return "".join(ch if ch.isalnum() else "-" for ch in device_name).strip("-")[:40] or "device"
+
+
 def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
     """ffn-<device>-<timestamp>[-tag].json and .md under out_dir; returns both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = result["meta"]["timestamp"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    dev = "".join(ch if ch.isalnum() else "-" for ch in result["meta"]["device_name"]).strip("-")[:40] or "device"
-    stem = f"ffn-{dev}-{stamp}" + (f"-{tag}" if tag else "")
+    stem = f"ffn-{device_slug(result['meta']['device_name'])}-{stamp}" + (f"-{tag}" if tag else "")
     jpath, mpath = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     jpath.write_text(json.dumps(result, indent=1, default=str))
     mpath.write_text(markdown_report(result))

@@ -137,34 +137,36 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     return report
 
 
-def path_times(f, x: torch.Tensor, union: tuple[float, float], reps: int) -> tuple[float, float]:
-    """Median ms of the layer's dense path and of its sparse FFN with ``union`` on x (alternating
-    calls, L2 flushed before each, as the benchmark times them)."""
+def _median_ms(f, x: torch.Tensor, calls: dict[str, Optional[tuple[float, float]]], reps: int) -> dict[str, float]:
+    """Median ms of each named call of the layer on x: None is its dense path (what ``_dense`` runs,
+    untracked), a ``(ratio, base)`` its sparse FFN as the layer runs it (the one op) with that union
+    setting. Alternating calls, L2 flushed before each, as the benchmark times them."""
     from twell import kernels
     from twell.bench.timing import time_alternating
 
     wg, wu, wdt = f.gate_proj.weight, f.up_proj.weight, f.w_down_t()
+
+    def call(union):
+        if union is None:
+            return lambda: f.down_proj(f.hidden(x)[1])
+        return lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, f.tile, f.compression, union=union)
+
     with torch.no_grad():
-        t = time_alternating({"dense": lambda: f.down_proj(f.hidden(x)[1]),  # what _dense runs, untracked
-                              "sparse": lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, f.tile, f.compression,
-                                                                         union=union)},
-                             x.device, reps=reps, warmup=3)
-    return t["dense"].median_ms, t["sparse"].median_ms
+        t = time_alternating({name: call(u) for name, u in calls.items()}, x.device, reps=reps, warmup=3)
+    return {name: t[name].median_ms for name in calls}
+
+
+def path_times(f, x: torch.Tensor, union: tuple[float, float], reps: int) -> tuple[float, float]:
+    """Median ms of the layer's dense path and of its sparse FFN with ``union`` on x."""
+    t = _median_ms(f, x, {"dense": None, "sparse": union}, reps)
+    return t["dense"], t["sparse"]
 
 
 def ffn_times(f, x: torch.Tensor, rule: tuple[float, float], reps: int) -> tuple[float, float]:
     """Median ms of the layer's sparse FFN on x, as the layer runs it (the one op): per-row kernel only,
-    then with ``rule`` (alternating calls, L2 flushed before each, as the benchmark times them)."""
-    from twell import kernels
-    from twell.bench.timing import time_alternating
-
-    wg, wu, wdt = f.gate_proj.weight, f.up_proj.weight, f.w_down_t()
-
-    def run(union):
-        return lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, f.tile, f.compression, union=union)
-
-    t = time_alternating({"per_row": run((0.0, 0.0)), "union": run(rule)}, x.device, reps=reps, warmup=3)
-    return t["per_row"].median_ms, t["union"].median_ms
+    then with ``rule``."""
+    t = _median_ms(f, x, {"per_row": (0.0, 0.0), "union": rule}, reps)
+    return t["per_row"], t["union"]
 
 
 def _unsupported(f, x: torch.Tensor) -> Optional[str]:

@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from twell.bench.ffn import protocol_deviations
+from twell.bench.ffn import device_slug, protocol_deviations
 from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, load_bench
 
 COLUMNS = ["run", "measured at", "device", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
@@ -56,8 +56,7 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
                 continue
             seen.add(path.name)
             # The file's stem less "ffn-" and the device (write_outputs names files ffn-<device>-<stamp>-<tag>).
-            dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device_name"]).strip("-")[:40] or "device"
-            run = path.stem.removeprefix("ffn-").removeprefix(f"{dev}-")
+            run = path.stem.removeprefix("ffn-").removeprefix(f"{device_slug(meta['device_name'])}-")
             for r in result["cases"]:
                 c, s = r["case"], r["sparsity"]
                 if c["kind"] != "real":

@@ -32,7 +32,7 @@ from twell.model import build_model, count_parameters, save_pretrained, set_trac
 from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
 from twell.train.config import RunConfig, load_config
-from twell.train.metrics import MetricsLog, _clean, atomic_write
+from twell.train.metrics import MetricsLog, atomic_write, json_safe
 from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
                                   barrier, broadcast_flag, init_distributed, set_gradient_sync, total_grad_norm)
 from twell.train.recipe import sparse_lm_loss
@@ -509,7 +509,7 @@ class Trainer:
                       "train_checkpoint": str(self._last_ckpt) if self._last_ckpt else None},
             "config": self.cfg.to_dict(),
         }
-        atomic_write(self.out / "summary.json", json.dumps(_clean(summary), indent=1))  # NaN as "nan", like metrics
+        atomic_write(self.out / "summary.json", json.dumps(json_safe(summary), indent=1))  # NaN as "nan", like metrics
         return summary
 
 

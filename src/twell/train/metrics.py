@@ -22,13 +22,14 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _clean(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
+    """v with non-finite floats as strings ("nan", "inf"), recursively: JSON has no NaN."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN/inf; keep them visible
     if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
@@ -65,7 +66,7 @@ class MetricsLog:
             return
         if self._fh is None:
             self._fh = self.path.open("a", encoding="utf-8")
-        self._fh.write(json.dumps(_clean(record)) + "\n")
+        self._fh.write(json.dumps(json_safe(record)) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
