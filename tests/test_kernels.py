@@ -570,9 +570,10 @@ def test_choose_union_paths_keeps_per_row_where_the_rule_times_slower(monkeypatc
 
 def test_choose_union_paths_times_dense_against_sparse_for_auto_layers(monkeypatch):
     """An "auto" layer's dense-or-sparse choice comes from the chooser's timing (replaced here, so the
-    decision is what is tested), not from its 1% activity threshold: a layer with 2% active (dense by
-    the threshold) runs sparse when that times faster, dense when dense is at least min_gain faster;
-    layers with another path and timed=False keep their own rule; reset_auto goes back to the threshold."""
+    decision is what is tested), not from its activity threshold (auto_max_active): a layer with 2%
+    active (dense by the threshold) runs sparse when that times faster, dense when dense is at least
+    min_gain faster; layers with another path and timed=False keep their own rule; reset_auto goes back
+    to the threshold."""
     from twell.model import choose_union_paths, union_paths
 
     x, wg, wu, wd = inputs(2048, 1024, 2048, nnz=40, dead=0.95, seed=4)
@@ -995,7 +996,7 @@ def test_module_uses_kernels_on_gpu():
 def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
     """A 50%-active layer: the first auto call runs the kernels (exact), then auto switches to dense and
     says why; a sparse layer keeps the kernels; setting the path again measures again."""
-    for nnz, expect_dense in ((2816, True), (29, False)):
+    for nnz, expect_dense in ((2816, True), (29, False), (64, False)):  # 64 of 5632: 1.14% < auto_max_active
         x, wg, wu, wd = inputs(512, 2048, 5632, nnz=nnz)
         ffn = module_with(wg, wu, wd)
         with torch.no_grad():

@@ -336,6 +336,27 @@ def test_module_auto_says_why_it_left_the_sparse_paths():
     assert silu.last_path == "dense" and "relu" in silu.auto_note
 
 
+def test_module_auto_route_is_what_forward_runs():
+    """auto_route (which choose_union_paths asks) names the path forward then takes, with the same reason."""
+    bf = torch.bfloat16
+    x = torch.randn(5, 64, dtype=bf)
+    layers = {"silu": SparseFFN(64, 256, activation="silu").to(bf), "bias": SparseFFN(64, 256, bias=True).to(bf),
+              "fp32": SparseFFN(64, 256), "plain": SparseFFN(64, 256).to(bf), "track": SparseFFN(64, 256).to(bf)}
+    layers["track"].track = True
+    expect = {"silu": ("dense", "relu"), "bias": ("dense", "bias"), "fp32": ("dense", "bfloat16"),
+              "plain": ("reference", "input on cpu"), "track": ("dense", "tracking")}
+    ran = {"dense": "dense", "reference": "twell-reference"}
+    for name, ffn in layers.items():
+        xi = x.float() if name == "fp32" else x
+        route, why = ffn.auto_route(xi)
+        assert route == expect[name][0] and expect[name][1] in why, (name, route, why)
+        with torch.no_grad():
+            ffn(xi)
+        assert ffn.last_path == ran[route] and why in ffn.auto_note, (name, ffn.auto_note)
+    with pytest.raises(ValueError, match="hidden_size=64"):
+        layers["plain"].auto_route(torch.randn(5, 32, dtype=bf))
+
+
 def test_reference_gate_errors_name_the_caller_s_tensors():
     bf = torch.bfloat16
     with pytest.raises(ValueError, match="x has D=32 columns but w_gate"):

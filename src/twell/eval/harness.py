@@ -19,11 +19,10 @@ from typing import Any, Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
-from twell.eval.loading import (LoadedModel, check_ffn_path, fixture_model, load_checkpoint, observed_ffn_paths,
-                                set_ffn_path)
+from twell.eval.loading import (LoadedModel, check_ffn_path, fixture_model, forget_ffn_paths, load_checkpoint,
+                                observed_ffn_paths, set_ffn_path)
 from twell.eval.offline import hf_offline, resolve_offline
 from twell.eval.tasks import AUTO, PAPER_TASKS, build_tasks, resolve_task_sources
-from twell.model import sparse_ffns
 
 # lm-eval's "auto" batch size doubles down from max_batch_size on CUDA out-of-memory errors; on a
 # CPU there is no such signal (it would just swap), so a fixed size is used there.
@@ -156,8 +155,7 @@ def evaluate_model(
     built = build_tasks(sources, offline=offline)
     if ffn_path is not None:
         set_ffn_path(model, ffn_path)
-    for module in sparse_ffns(model):  # what ran before this run must not pass for this run's path
-        module.last_path = None
+    forget_ffn_paths(model)
     device = str(next(model.parameters()).device)
     bs, bs_note = choose_batch_size(batch_size, device)
 

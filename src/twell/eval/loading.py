@@ -94,6 +94,12 @@ def observed_ffn_paths(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
+def forget_ffn_paths(model: torch.nn.Module) -> None:
+    """Clear every SparseFFN's ``last_path``, so what ran before a run cannot pass for that run's path."""
+    for module in sparse_ffns(model):
+        module.last_path = None
+
+
 def check_ffn_path(model: torch.nn.Module, requested: str | None) -> dict[str, int]:
     """Raise when the FFN modules ran another path than ``requested``; returns the observed counts."""
     observed = observed_ffn_paths(model)

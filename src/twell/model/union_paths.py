@@ -50,7 +50,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     neurons, so sequences should be in order.
 
     With ``timed``, a layer whose ``path`` is ``"auto"`` also gets its dense-or-sparse choice from
-    timing rather than from its activity threshold (``auto_max_active``, 1% of H): its sparse FFN with
+    timing rather than from its activity threshold (``auto_max_active``, 1.25% of H): its sparse FFN with
     the chosen ``union`` against dense PyTorch on the same inputs (``dense_ms``, ``sparse_ms``); it
     stays sparse unless dense is at least ``min_gain`` faster. Trained layers with 1.5-1.9% active ran
     1.10-1.66x faster than dense with the rule, where the threshold sent them to dense
@@ -99,8 +99,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
         reason = _unsupported(f, x)
         # "auto" gets timed only where it would run the kernels on these inputs: not a tracking layer
         # (dense for its statistics), not an input dtype or tiling the sparse paths refuse.
-        time_auto = (timed and reason is None and f.path == "auto" and not f.track
-                     and not f._no_sparse(seen_x) and not f._no_kernel(seen_x))
+        time_auto = timed and reason is None and f.path == "auto" and f.auto_route(seen_x)[0] == "kernel"
         if reason is None:
             gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)
             plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), ratio=rule[0], base=rule[1])

@@ -15,7 +15,8 @@ and chooses *how* through one interface:
   (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
   ``"auto"``: the kernels when they can run the layer on this input; else the reference (CPU input,
   kernels unavailable, a shape the kernels do not take such as D > 2048); else dense (bias, dtypes
-  other than bfloat16: no sparse path takes them). ``last_path`` records what ran and ``auto_note``
+  other than bfloat16: no sparse path takes them); ``auto_route(x)`` says which, and why, without
+  running it. ``last_path`` records what ran and ``auto_note``
   why auto left the kernels (or what decided it). Sparse paths need ``activation="relu"``. On its first
   kernel call, ``"auto"`` also measures the layer's activity (one host sync, once): a layer with more
   than ``auto_max_active`` of its neurons active per token runs dense from then on, and ``auto_note``
@@ -136,10 +137,11 @@ class SparseFFN(nn.Module):
         self.last_path: Optional[str] = None
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
-        # "auto" leaves the kernels for dense above this active fraction: the v2 kernel FFN broke even
-        # with dense cuBLAS near 50 of 5632 neurons per token (0.9%) at M = 65536 on an H100; the v5
-        # kernels are 1.06x at 64 (1.1%), so the threshold is conservative (csrc/NOTES.md).
-        self.auto_max_active = 0.01
+        # "auto" leaves the kernels for dense above this active fraction. On the 34 real layers pooled in
+        # csrc/NOTES.md (H100, M = 65536) the per-row kernels ran 1.45x at 56.7 of 5632 active (1.0%),
+        # 1.17x at 62.4 (1.1%), 0.98x at 83.8 (1.5%) and 0.75-0.95x at 103-104: break-even near 80
+        # (1.4%). 1.25% (70 active) keeps a margin below it (session 33; it was 1% before).
+        self.auto_max_active = 0.0125
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
         self._activity_note: Optional[str] = None
@@ -240,6 +242,21 @@ class SparseFFN(nn.Module):
             return f"kernels unavailable: {why}"
         return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
 
+    def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
+        """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel", why)``,
+        ``why`` empty for the kernels. A wrong input width raises here, as in forward."""
+        if self.activation != "relu":
+            return "dense", f"activation {self.activation}: the sparse paths need relu"
+        if self.track:
+            return "dense", "tracking: the statistics need the dense hidden state"
+        self._check_width(x)
+        why = self._no_sparse(x)
+        if why:
+            return "dense", why
+        # available() is cached per process; a failed build makes "auto" use the reference
+        why = self._no_kernel(x)
+        return ("reference", why) if why else ("kernel", "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             # Training: the optimizer step that follows may update W_down without bumping its version
@@ -250,20 +267,12 @@ class SparseFFN(nn.Module):
                 return self.train_backend(self, x)
             return self._dense(x)
         path = self.path
-        if path == "dense" or self.activation != "relu" or self.track:
-            # Tracking needs the dense hidden state for its statistics.
-            if path == "auto" and self.activation != "relu":
-                self.auto_note = f"auto: dense (activation {self.activation}: the sparse paths need relu)"
-            return self._dense(x)
         if path == "auto":
-            self._check_width(x)
-            why = self._no_sparse(x)
-            if why:
+            route, why = self.auto_route(x)
+            if route == "dense":
                 self.auto_note = f"auto: dense ({why})"
                 return self._dense(x)
-            # available() is cached per process; a failed build makes "auto" use the reference
-            why = self._no_kernel(x)
-            if why:
+            if route == "reference":
                 self.auto_note = f"auto: TwELL reference ({why})"
                 return self._sparse(x, use_kernel=False)
             self.auto_note = self._activity_note
@@ -276,6 +285,9 @@ class SparseFFN(nn.Module):
                 measure = False
                 self.auto_note = "auto: activity not measured yet (this call was captured in a CUDA graph)"
             return self._sparse(x, use_kernel=True, measure=measure)
+        if path == "dense" or self.track:
+            # Tracking needs the dense hidden state for its statistics.
+            return self._dense(x)
         # An explicit sparse path raises where "auto" would leave it.
         if self.has_bias():
             raise ValueError(self.BIAS_ERROR)
