@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -20,9 +21,17 @@ void check_launch(cudaError_t err, const char* what) {
               (*twell::last_error() ? std::string(" (") + twell::last_error() + ")" : std::string()));
 }
 
+// The kernels load rows with 16-byte vectors and TMA, which fault on a misaligned base address
+// (a contiguous view at an odd element offset): refuse it here rather than crash the context.
+void check_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "twell: ", name,
+              " must start at a 16-byte aligned address (a view at an element offset is not; pass a copy)");
+}
+
 void check_bf16_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.is_contiguous(),
               "twell: ", name, " must be a contiguous bf16 CUDA matrix");
+  check_aligned(t, name);
 }
 
 // TwELL words of M rows over H neurons: uint32 [M, ceil(H/tile) * S], contiguous, on the device.
@@ -30,6 +39,7 @@ void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile,
   TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.dim() == 2 &&
                   tw.size(0) == M && tw.size(1) == ((H + tile - 1) / tile) * S,
               "twell.", op, ": TwELL words must be uint32 [M, ceil(H/tile)*S]");
+  check_aligned(tw, "the TwELL words");
 }
 
 // A number >= 0 from the environment variable `name`, else `fallback`.
@@ -154,6 +164,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   check_twell_words(tw, M, H, tile, S, "ffn");
   if (spill) TORCH_CHECK(spill->is_cuda() && spill->scalar_type() == at::kUInt32 && spill->is_contiguous(),
                          "twell.ffn: bad spill area");
+  if (spill) check_aligned(*spill, "the spill area");
   for (const auto* opt : {&w_act, &w_up}) {
     if (opt->has_value()) {
       check_bf16_matrix(**opt, "w_act/w_up");

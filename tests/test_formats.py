@@ -207,3 +207,25 @@ def test_twell_built_while_tracing_with_a_symbolic_width():
     packed = pack_twell(torch.relu(torch.randn(8, 300)).to(torch.bfloat16)).packed
     graph = make_fx(build, tracing_mode="symbolic")(w, packed)
     assert torch.equal(graph(w, packed), packed.view(torch.int32))
+
+
+def test_input_checks_trace_under_torch_compile_with_dynamic_shapes():
+    """The kernels' ops run these checks inside torch.compile; with dynamic shapes a dimension is a
+    SymInt, which the checks must compare but never format unless they fail (formatting it broke
+    fullgraph tracing of sparse_gated_ffn once a second shape had been seen)."""
+    from twell.reference.ffn import check_gate_args
+
+    def checked(x, w):
+        check_gate_args(x, w, 256, 8)
+        return x @ w.t()
+
+    compiled = torch.compile(checked, fullgraph=True, dynamic=True, backend="eager")
+    try:
+        for M, D in ((64, 128), (100, 192)):
+            x, w = torch.randn(M, D).bfloat16(), torch.randn(300, D).bfloat16()
+            assert torch.equal(compiled(x, w), x @ w.t())
+        # a bad input still raises, with its message (fullgraph wraps it in dynamo's exception)
+        with pytest.raises(Exception, match="x has D=192 columns but w_gate is"):
+            compiled(torch.randn(100, 192).bfloat16(), torch.randn(300, 128).bfloat16())
+    finally:
+        torch._dynamo.reset()

@@ -94,6 +94,31 @@ def test_available_says_why_not_on_cpu(monkeypatch):
         assert ok is False and "CUDA" in why, why
 
 
+def test_union_unsupported_says_why_without_building_where_the_kernels_cannot_run(monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("union_unsupported must not build where the kernels cannot run")
+
+    monkeypatch.setattr(build.ExtensionLoader, "load", no_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    build._prerequisites.cache_clear()
+    assert "no CUDA device visible" in kernels.union_unsupported(2048, 5632)
+
+
+def test_misaligned_tensors_are_refused_before_any_kernel_sees_them():
+    """A contiguous view at an element offset faults in the kernels' vector/TMA loads and loses the
+    CUDA context (found by a review in session 33): the ops refuse it with a readable error. The
+    check itself needs no GPU; tests/test_kernels.py runs it through every op on the H100."""
+    from twell.kernels.ops import check_aligned
+
+    buf = torch.zeros(8 * 64 + 8, dtype=torch.bfloat16)
+    check_aligned(x=buf[:512].view(8, 64), w=None)  # aligned, and None is skipped
+    check_aligned(x=buf[8:520].view(8, 64))  # 8 bf16 = 16 bytes in: still aligned
+    for k in (1, 4):  # 2 and 8 bytes in
+        with pytest.raises(ValueError, match=r"w_up must start at a 16-byte aligned address.*w_up\.clone\(\)"):
+            check_aligned(x=buf[:512].view(8, 64), w_up=buf[k:512 + k].view(8, 64))
+
+
 def _fake_gpu(monkeypatch, capability=(9, 0), name="NVIDIA H100 80GB HBM3"):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -26,32 +26,37 @@ def check_tensor(
     device: Optional[torch.device] = None,
     contiguous: bool = False,
 ) -> None:
-    """Raise TypeError/ValueError with a message naming the expectation when ``t`` does not fit."""
-    want = []
-    if dtype is not None:
-        want.append(str(dtype).replace("torch.", ""))
-    if shape is not None:
-        want.append("[" + ", ".join("*" if d is None else str(d) for d in shape) + "]")
-    if device is not None:
-        want.append(f"on {device}")
-    if contiguous:
-        want.append("contiguous")
-    expected = " ".join(want)
+    """Raise TypeError/ValueError with a message naming the expectation when ``t`` does not fit.
+
+    The message is built only on failure: torch.compile traces these checks, and with dynamic shapes
+    a dimension is a SymInt that cannot be formatted while tracing."""
+    def message(got: str, not_a_tensor: bool = False) -> str:
+        want = []
+        if dtype is not None:
+            want.append(str(dtype).replace("torch.", ""))
+        if shape is not None:
+            want.append("[" + ", ".join("*" if d is None else str(d) for d in shape) + "]")
+        if device is not None:
+            want.append(f"on {device}")
+        if contiguous:
+            want.append("contiguous")
+        expected = f"a torch.Tensor ({' '.join(want)})" if not_a_tensor else " ".join(want)
+        return f"{name}: expected {expected}, got {got}"
+
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor ({expected}), got {type(t).__name__}")
-    got = describe(t)
+        raise TypeError(message(type(t).__name__, not_a_tensor=True))
     if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name}: expected {expected}, got {got}")
+        raise TypeError(message(describe(t)))
     if shape is not None:
         ok = t.dim() == len(shape) and all(
-            not isinstance(d, int) or t.shape[i] == d for i, d in enumerate(shape)
+            not isinstance(d, (int, torch.SymInt)) or t.shape[i] == d for i, d in enumerate(shape)
         )
         if not ok:
-            raise ValueError(f"{name}: expected {expected}, got {got}")
+            raise ValueError(message(describe(t)))
     if device is not None and t.device != torch.device(device):
-        raise ValueError(f"{name}: expected {expected}, got {got} (all inputs must be on one device)")
+        raise ValueError(message(describe(t)) + " (all inputs must be on one device)")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: expected {expected}, got {got}; call .contiguous() first")
+        raise ValueError(message(describe(t)) + "; call .contiguous() first")
 
 
 def check_tiling(tile: int, compression: int) -> int:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
-from twell.kernels.build import load
+from twell.kernels.build import available, load
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
 
 
@@ -53,6 +53,20 @@ def _kernel_checks(x: Tensor) -> None:
     if not x.is_cuda:
         raise ValueError(f"the TwELL kernels run on CUDA tensors; x is on {x.device} (use twell.reference on CPU)")
     _raise_if(_width_limit(x.shape[1]))
+
+
+def check_aligned(**tensors: Optional[Tensor]) -> None:
+    """The kernels read rows with 16-byte vectors and TMA, which fault on a misaligned start (a
+    contiguous view at an element offset, e.g. ``buf[1:].view(M, D)``): the CUDA context would be lost,
+    so refuse such a tensor with a readable error instead. ``None`` entries are skipped. Under
+    torch.compile (no addresses while tracing) the extension's own check raises at run time."""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address for the TwELL kernels; it starts "
+                             f"{t.data_ptr() % 16} bytes past one (a view at an element offset?): pass "
+                             f"{name}.clone()")
 
 
 def spill_capacity(M: int) -> int:
@@ -100,6 +114,7 @@ def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) 
     check_gate_args(x, w_gate, tile, compression)  # the tiling and H's range too
     _kernel_checks(x)
     _raise_if(_tile_limit(tile))
+    check_aligned(x=x, w_gate=w_gate)
 
 
 def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = 8) -> str:
@@ -129,6 +144,7 @@ def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8)
 def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
          union: Optional[tuple[float, float]] = None) -> Tensor:
     _fused_kernel_checks(x)
+    check_aligned(x=x, w_up=w_up, w_down_t=w_down_t, packed=gate.packed, spill=gate.spill)
     ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
     # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
     # spill area could not hold): only right when x is the tensor the TwELL was made from. With any
@@ -182,12 +198,15 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
     are recomputed and agree to rounding). ``union`` is the block-union rule as in
     :func:`twell_gated_ffn` (``None``: TWELL_UNION_*); with the rule on, the kernels run in turn (its
-    plan reads the whole TwELL first), so there is no overlap.
+    plan reads the whole TwELL first), so there is no overlap. The TwELL staying inside, so does
+    its overflow count: the two-op path gives it (``twell_gate(x, w_gate).n_overflow_rows``), as
+    does a ``SparseFFN`` with ``keep_gate=True`` (``last_gate.n_overflow_rows``).
     """
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=torch.bfloat16, shape=tuple(w_gate.shape), device=x.device, contiguous=True)
+    check_aligned(w_up=w_up, w_down_t=w_down_t)
     ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
     return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression, ratio, base)
 
@@ -195,7 +214,11 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
 
 def union_unsupported(D: int, H: int) -> str:
     """Why the block-union path cannot serve a gated layer with model width D and H hidden units, or
-    ``""`` when it can (the limits live in csrc/twell_union.cu; builds the extension)."""
+    ``""`` when it can (the limits live in csrc/twell_union.cu; builds the extension, so where the
+    kernels cannot run at all it returns why, from :func:`twell.kernels.available`, and builds nothing)."""
+    ok, why = available()
+    if not ok:
+        return why
     return load().union_unsupported(int(D), int(H))
 
 
@@ -213,6 +236,7 @@ def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Op
     """
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
     _kernel_checks(x)
+    check_aligned(x=x, w_up=w_up, w_down_t=w_down_t, packed=gate.packed, spill=gate.spill)
     if ratio is None:
         ratio = load().union_ratio()
     if base is None:
