@@ -178,6 +178,49 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, fused_path):
     check_ffn(out, x, wg, wu, wd)
 
 
+def test_empty_batches(fused_path):
+    """M = 0 through every op and the module: empty outputs of the right shape, no launch error, and
+    "auto" keeps its activity decision for a call that has tokens."""
+    x, wg, wu, wd = inputs(64, 512, 1024, nnz=12)
+    wdt = wd.t().contiguous()
+    empty = x[:0]
+    assert kernels.sparse_gated_ffn(empty, wg, wu, wdt).shape == (0, 512)
+    gate = kernels.twell_gate(empty, wg)
+    assert gate.n_rows == 0 and gate.n_overflow_rows == 0
+    assert kernels.twell_gated_ffn(empty, gate, wu, wdt).shape == (0, 512)
+    assert kernels.twell_ffn(kernels.twell_gate(empty, wu), wdt).shape == (0, 512)
+    ffn = module_with(wg, wu, wd)
+    with torch.no_grad():
+        assert ffn(x[:0].view(2, 0, 512)).shape == (2, 0, 512) and ffn.last_path == "twell-kernel"
+        assert ffn._auto_dense is None  # not measured on no tokens
+        check_ffn(ffn(x), x, wg, wu, wd)
+        assert ffn._auto_dense is not None  # decided on this call
+    torch.cuda.synchronize()
+
+
+def test_rows_past_2_to_the_31_elements(fused_path):
+    """x and out with more than 2**31 elements (1.1M tokens at D = 2048, 4.5 GB each): every row
+    offset must be 64-bit. Rows on both sides of element 2**31 and the last rows are checked against
+    fp64, heavy rows among them (dense backup / heavy kernels), through the one op, the two ops and
+    the non-gated FFN."""
+    M, D, H = 1_100_000, 2048, 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    x[:, 0] = 1
+    wg, wu, wd = (torch.randn(a, b, device="cuda", generator=g) / math.sqrt(b) for a, b in ((H, D), (H, D), (D, H)))
+    wg[:, 0] = -2.27  # ~12 of 1024 active per row
+    wg, wu, wd = wg.bfloat16(), wu.bfloat16(), wd.bfloat16()
+    edge = 2**31 // D  # first row whose elements start at or past 2**31
+    heavy = [edge + 1, M - 3]
+    x[heavy, 1:] *= 50.0
+    rows = torch.cat([torch.arange(0, 4), torch.arange(edge - 6, edge + 6), torch.arange(M - 6, M)]).cuda()
+    wdt = wd.t().contiguous()
+    for op in (kernels.sparse_gated_ffn, two_ops):
+        check_ffn(op(x, wg, wu, wdt)[rows], x[rows], wg, wu, wd)
+    out = kernels.twell_ffn(kernels.twell_gate(x, wu), wdt)
+    check_ffn(out[rows], x[rows], None, wu, wd, gated=False)
+
+
 def two_ops(x, wg, wu, wdt, tile=256, compression=8):
     """The gated FFN as two ops (gate, then fused), which the one-op call must equal bit for bit."""
     return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg, tile, compression), wu, wdt)
@@ -901,6 +944,10 @@ def test_misaligned_inputs_raise_clearly_and_leave_the_context_usable(k):
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"{name.strip()} must start at a 16-byte aligned address"):
             call()
+    ffn = module_with(wg, wu, wd)
+    ffn.path = "kernel"
+    with torch.no_grad():  # the module copies such an x instead: same bits as the aligned one
+        assert torch.equal(ffn(_offset_copy(x, k)), ffn(x)) and ffn.last_path == "twell-kernel"
     ext = kernels.load()  # the C++ checks refuse it too, for callers of the extension itself
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         ext.sparse_ffn(x, wg, wu, _offset_copy(wdt, k), 256, 8, -1.0, -1.0)

@@ -365,3 +365,18 @@ def test_reference_gate_errors_name_the_caller_s_tensors():
         twell_gate(torch.randn(4, 64, dtype=bf), torch.randn(0, 64, dtype=bf))
     with pytest.raises(TypeError, match="x: expected bfloat16"):
         hybrid_gated_ffn(torch.randn(4, 64), *(torch.randn(256, 64, dtype=bf) for _ in range(3)))
+
+
+def test_auto_does_not_decide_on_an_empty_batch():
+    """The activity threshold is measured once, on the first kernel call: an empty batch (M = 0) has
+    no activity to measure, so the decision waits for a call with tokens."""
+    from twell.nn import SparseFFN
+    from twell import reference
+
+    ffn = SparseFFN(128, 256).bfloat16()
+    wg = ffn.gate_proj.weight.detach()
+    ffn._measure_activity(reference.twell_gate(torch.zeros(0, 128, dtype=torch.bfloat16), wg))
+    assert ffn._auto_dense is None and ffn.auto_note is None
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    ffn._measure_activity(reference.twell_gate(x, wg))  # random weights: about half active
+    assert ffn._auto_dense is True and "dense from the next call on" in ffn.auto_note

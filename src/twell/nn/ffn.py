@@ -304,6 +304,8 @@ class SparseFFN(nn.Module):
         return self._sparse(x, use_kernel=(path == "kernel"))
 
     def _measure_activity(self, gate) -> None:
+        if gate.n_rows == 0:  # an empty batch says nothing: the next call with tokens measures
+            return
         active = gate.nnz_per_row().float().mean().item() / self.intermediate_size
         self._auto_dense = active > self.auto_max_active
         if self._auto_dense:
@@ -381,6 +383,8 @@ class SparseFFN(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
+        elif use_kernel and not torch.compiler.is_compiling() and x2.data_ptr() % 16:
+            x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
         if self.gated and not (measure or self.keep_gate):
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (csrc/NOTES.md, v13).
