@@ -24,7 +24,7 @@ void check_launch(cudaError_t err, const char* what) {
 // The kernels load rows with 16-byte vectors and TMA, which fault on a misaligned base address
 // (a contiguous view at an odd element offset): refuse it here rather than crash the context.
 void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "twell: ", name,
+  TORCH_CHECK(t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "twell: ", name,
               " must start at a 16-byte aligned address (a view at an element offset is not; pass a copy)");
 }
 
@@ -40,6 +40,13 @@ void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile,
                   tw.size(0) == M && tw.size(1) == ((H + tile - 1) / tile) * S,
               "twell.", op, ": TwELL words must be uint32 [M, ceil(H/tile)*S]");
   check_aligned(tw, "the TwELL words");
+}
+
+// The gate kernel's spill area (uint32 words, contiguous, on the device, aligned).
+void check_spill(const at::Tensor& spill, const char* op) {
+  TORCH_CHECK(spill.is_cuda() && spill.scalar_type() == at::kUInt32 && spill.is_contiguous(), "twell.", op,
+              ": bad spill area");
+  check_aligned(spill, "the spill area");
 }
 
 // A number >= 0 from the environment variable `name`, else `fallback`.
@@ -162,9 +169,7 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
   TORCH_CHECK(tile >= 2 && tile <= 4096, "twell.ffn: tile must be in [2, 4096], got ", tile);
   check_twell_words(tw, M, H, tile, S, "ffn");
-  if (spill) TORCH_CHECK(spill->is_cuda() && spill->scalar_type() == at::kUInt32 && spill->is_contiguous(),
-                         "twell.ffn: bad spill area");
-  if (spill) check_aligned(*spill, "the spill area");
+  if (spill) check_spill(*spill, "ffn");
   for (const auto* opt : {&w_act, &w_up}) {
     if (opt->has_value()) {
       check_bf16_matrix(**opt, "w_act/w_up");
@@ -241,6 +246,7 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   const std::string why = twell::union_unsupported(int(D), int(H), true);
   TORCH_CHECK(why.empty(), "twell.ffn_plan: ", why);
   check_twell_words(tw, M, H, tile, S, "ffn_plan");
+  if (spill) check_spill(*spill, "ffn_plan");
   const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
   at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());

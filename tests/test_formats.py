@@ -1,5 +1,6 @@
 """TwELL and hybrid formats: exact round trips, layout, overflow handling, bad inputs."""
 import math
+import re
 
 import pytest
 import torch
@@ -227,5 +228,10 @@ def test_input_checks_trace_under_torch_compile_with_dynamic_shapes():
         # a bad input still raises, with its message (fullgraph wraps it in dynamo's exception)
         with pytest.raises(Exception, match="x has D=192 columns but w_gate is"):
             compiled(torch.randn(100, 192).bfloat16(), torch.randn(300, 128).bfloat16())
+        x = torch.randn(100, 192).bfloat16()
+        for w, want in ((torch.randn(300, 192), "w_gate: expected bfloat16 [H, 192] on cpu contiguous, got"),
+                        (torch.randn(192, 300).bfloat16().t(), "non-contiguous'; call .contiguous() first")):
+            with pytest.raises(Exception, match=re.escape(want)):
+                compiled(x, w)
     finally:
         torch._dynamo.reset()

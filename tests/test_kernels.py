@@ -4,6 +4,7 @@ Tolerance rule (STYLE.md): a kernel's relative error against an fp64 reference m
 small multiple of the error dense bf16 PyTorch makes on the same inputs. Fresh random inputs every
 call; outputs poisoned with NaN beforehand so an unwritten element fails.
 """
+import dataclasses
 import math
 import subprocess
 import sys
@@ -916,11 +917,12 @@ def test_bad_inputs_raise_clearly():
 
 
 def _offset_copy(t, k):
-    """A contiguous copy of t that starts k elements into its buffer (misaligned for k % 8 != 0)."""
+    """A contiguous copy of t that starts k elements into its buffer (misaligned unless k elements
+    make a multiple of 16 bytes)."""
     buf = torch.empty(t.numel() + k, dtype=t.dtype, device=t.device)
     view = buf[k:].view(t.shape)
     view.copy_(t)
-    assert view.is_contiguous() and view.data_ptr() % 16 == (2 * k) % 16
+    assert view.is_contiguous() and view.data_ptr() % 16 == (k * t.element_size()) % 16
     return view
 
 
@@ -944,13 +946,25 @@ def test_misaligned_inputs_raise_clearly_and_leave_the_context_usable(k):
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"{name.strip()} must start at a 16-byte aligned address"):
             call()
+    words = 1 if k == 1 else 2  # the TwELL's uint32 words: 4 or 8 bytes in
+    with pytest.raises(ValueError, match="packed must start at a 16-byte aligned address"):
+        kernels.twell_gated_ffn(x, dataclasses.replace(gate, packed=_offset_copy(gate.packed, words)), wu, wdt)
+    with pytest.raises(ValueError, match="spill must start at a 16-byte aligned address"):
+        kernels.twell_gated_ffn(x, dataclasses.replace(gate, spill=_offset_copy(gate.spill, words)), wu, wdt)
     ffn = module_with(wg, wu, wd)
     ffn.path = "kernel"
     with torch.no_grad():  # the module copies such an x instead: same bits as the aligned one
         assert torch.equal(ffn(_offset_copy(x, k)), ffn(x)) and ffn.last_path == "twell-kernel"
+        ffn.path = "auto"  # a misaligned weight (a view into a flat buffer): "auto" takes the reference
+        ffn.up_proj.weight = torch.nn.Parameter(_offset_copy(wu, k))
+        assert ffn.auto_route(x) == ("reference", "up_proj.weight does not start on 16 bytes (a view into a flat buffer?)")
+        check_ffn(ffn(x), x, wg, wu, wd)
+        assert ffn.last_path == "twell-reference"
     ext = kernels.load()  # the C++ checks refuse it too, for callers of the extension itself
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         ext.sparse_ffn(x, wg, wu, _offset_copy(wdt, k), 256, 8, -1.0, -1.0)
+    with pytest.raises(RuntimeError, match="the spill area must start at a 16-byte aligned address"):
+        ext.ffn_plan(x, gate.packed, _offset_copy(gate.spill, words), wu, wdt, 256, 8, 1.0, 0.0)
     # Under torch.compile the Python check is skipped (no addresses while tracing): the extension's
     # check must raise, unless the compiled graph hands the op an aligned copy, which is right too.
     compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=True)

@@ -380,3 +380,19 @@ def test_auto_does_not_decide_on_an_empty_batch():
     x = torch.randn(16, 128, dtype=torch.bfloat16)
     ffn._measure_activity(reference.twell_gate(x, wg))  # random weights: about half active
     assert ffn._auto_dense is True and "dense from the next call on" in ffn.auto_note
+
+
+def test_explicit_sparse_path_runs_dense_once_the_activation_is_not_relu():
+    """The path setter refuses a sparse path for a SiLU layer; a layer whose activation is changed
+    after its path was set must not run the ReLU sparse path on it (it runs dense and says so)."""
+    from twell.nn import SparseFFN
+
+    ffn = SparseFFN(64, 128).bfloat16()
+    ffn.path = "reference"
+    ffn.activation = "silu"
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = ffn(x)
+        g, u = ffn.gate_proj(x), ffn.up_proj(x)
+        expect = ffn.down_proj(torch.nn.functional.silu(g) * u)
+    assert ffn.last_path == "dense" and torch.equal(out, expect)

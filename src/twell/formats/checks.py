@@ -12,9 +12,20 @@ import torch
 Dim = Union[int, str, None]  # an int must match; a str names a free dimension; None = any
 
 
+# Names without the "torch." prefix, by lookup: messages are built with f-strings and lookups only,
+# which dynamo traces (not str(), str.replace or str + str), so a check that fails inside
+# torch.compile still carries its text.
+_DTYPE_NAMES = {getattr(torch, n): n for n in ("bfloat16", "float16", "float32", "float64", "int8", "int16",
+                                              "int32", "int64", "uint8", "uint32", "bool")}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype) or f"{dtype}"
+
+
 def describe(t: torch.Tensor) -> str:
     layout = "" if t.is_contiguous() else " non-contiguous"
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}{layout}"
+    return f"{_dtype_name(t.dtype)} {list(t.shape)} on {t.device}{layout}"
 
 
 def check_tensor(
@@ -30,18 +41,20 @@ def check_tensor(
 
     The message is built only on failure: torch.compile traces these checks, and with dynamic shapes
     a dimension is a SymInt that cannot be formatted while tracing."""
-    def message(got: str, not_a_tensor: bool = False) -> str:
+    def message(got: str, tail: str = "", not_a_tensor: bool = False) -> str:
         want = []
         if dtype is not None:
-            want.append(str(dtype).replace("torch.", ""))
+            want.append(_dtype_name(dtype))
         if shape is not None:
-            want.append("[" + ", ".join("*" if d is None else str(d) for d in shape) + "]")
+            want.append("[" + ", ".join("*" if d is None else f"{d}" for d in shape) + "]")
         if device is not None:
             want.append(f"on {device}")
         if contiguous:
             want.append("contiguous")
-        expected = f"a torch.Tensor ({' '.join(want)})" if not_a_tensor else " ".join(want)
-        return f"{name}: expected {expected}, got {got}"
+        expected = " ".join(want)
+        if not_a_tensor:
+            expected = f"a torch.Tensor ({expected})"
+        return f"{name}: expected {expected}, got {got}{tail}"
 
     if not isinstance(t, torch.Tensor):
         raise TypeError(message(type(t).__name__, not_a_tensor=True))
@@ -54,9 +67,9 @@ def check_tensor(
         if not ok:
             raise ValueError(message(describe(t)))
     if device is not None and t.device != torch.device(device):
-        raise ValueError(message(describe(t)) + " (all inputs must be on one device)")
+        raise ValueError(message(describe(t), " (all inputs must be on one device)"))
     if contiguous and not t.is_contiguous():
-        raise ValueError(message(describe(t)) + "; call .contiguous() first")
+        raise ValueError(message(describe(t), "; call .contiguous() first"))
 
 
 def check_tiling(tile: int, compression: int) -> int:

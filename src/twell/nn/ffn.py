@@ -240,6 +240,11 @@ class SparseFFN(nn.Module):
         ok, why = kernels.available()
         if not ok:
             return f"kernels unavailable: {why}"
+        if not torch.compiler.is_compiling():  # no addresses while tracing (the ops check at run time)
+            for name in ("gate_proj", "up_proj"):
+                m = getattr(self, name)
+                if m is not None and m.weight.data_ptr() % 16:
+                    return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
         return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
@@ -285,8 +290,9 @@ class SparseFFN(nn.Module):
                 measure = False
                 self.auto_note = "auto: activity not measured yet (this call was captured in a CUDA graph)"
             return self._sparse(x, use_kernel=True, measure=measure)
-        if path == "dense" or self.track:
-            # Tracking needs the dense hidden state for its statistics.
+        if path == "dense" or self.activation != "relu" or self.track:
+            # Tracking needs the dense hidden state for its statistics; the sparse paths compute relu
+            # (the path setter refuses them for another activation, which may be changed after).
             return self._dense(x)
         # An explicit sparse path raises where "auto" would leave it.
         if self.has_bias():
