@@ -198,7 +198,7 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
     are recomputed and agree to rounding). ``union`` is the block-union rule as in
     :func:`twell_gated_ffn` (``None``: TWELL_UNION_*); with the rule on, the kernels run in turn (its
-    plan reads the whole TwELL first), so there is no overlap. The TwELL staying inside, so does
+    plan reads the whole TwELL first), so there is no overlap. The TwELL stays inside, and so does
     its overflow count: the two-op path gives it (``twell_gate(x, w_gate).n_overflow_rows``), as
     does a ``SparseFFN`` with ``keep_gate=True`` (``last_gate.n_overflow_rows``).
     """
