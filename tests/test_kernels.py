@@ -1023,6 +1023,25 @@ def test_torch_compile_with_dynamic_shapes():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("path", ["kernel", "auto"])
+def test_compiled_module_matches_eager(path):
+    """A model compiled whole (torch.compile on the module, graph breaks allowed, dynamic batch) runs
+    the same kernels: bit-equal to eager, the path reported, "auto" still measuring once."""
+    x, wg, wu, wd = inputs(1024, 512, 1024, nnz=6)
+    eager, ffn = module_with(wg, wu, wd), module_with(wg, wu, wd)
+    eager.path = ffn.path = path
+    torch._dynamo.reset()
+    compiled = torch.compile(ffn, dynamic=True)
+    try:
+        with torch.no_grad():
+            for m in (1024, 300, 77):
+                assert torch.equal(compiled(x[:m]), eager(x[:m])), m
+                assert ffn.last_path == eager.last_path == "twell-kernel"
+        assert ffn._auto_dense is eager._auto_dense
+    finally:
+        torch._dynamo.reset()
+
+
 def test_torch_compile_and_cuda_graphs(monkeypatch):
     # Heavy rows in both inputs, enough at replay (not at capture) for the dense path to run: it and
     # the heavy kernel size their work from device counts, never from host values frozen into the graph.
