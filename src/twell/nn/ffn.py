@@ -99,6 +99,17 @@ class FFNStats:
     neuron_active: torch.Tensor
 
 
+@torch.compiler.assume_constant_result
+def _kernels_unavailable() -> str:
+    """Why the kernels cannot run in this process ('' when they can). Compiled code takes the answer as
+    a constant: ``kernels.available()`` looks for files (nvcc, sources), which dynamo cannot trace, so
+    every compiled forward would otherwise break its graph here."""
+    from twell import kernels
+
+    ok, why = kernels.available()
+    return "" if ok else why
+
+
 class SparseFFN(nn.Module):
     def __init__(
         self,
@@ -237,8 +248,8 @@ class SparseFFN(nn.Module):
             return f"input on {x.device}"
         from twell import kernels
 
-        ok, why = kernels.available()
-        if not ok:
+        why = _kernels_unavailable()
+        if why:
             return f"kernels unavailable: {why}"
         if not torch.compiler.is_compiling():  # no addresses while tracing (the ops check at run time)
             for name in ("gate_proj", "up_proj"):
@@ -301,8 +312,8 @@ class SparseFFN(nn.Module):
         if path == "kernel":
             from twell import kernels
 
-            ok, why = kernels.available()
-            if not ok:
+            why = _kernels_unavailable()
+            if why:
                 raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
             why = kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
             if why:
