@@ -115,6 +115,9 @@ def test_misaligned_tensors_are_refused_before_any_kernel_sees_them():
     check_aligned(x=buf[:512].view(8, 64), w=None)  # aligned, and None is skipped
     check_aligned(x=buf[8:520].view(8, 64))  # 8 bf16 = 16 bytes in: still aligned
     check_aligned(x=buf[1:1])  # empty: no kernel reads it, wherever it points
+    # the one predicate the ops and SparseFFN share, reached as the module uses it
+    assert kernels.misaligned(buf[1:9]) and not kernels.misaligned(buf[8:16])
+    assert not kernels.misaligned(buf[1:1]) and not kernels.misaligned(None)
     for k in (1, 4):  # 2 and 8 bytes in
         with pytest.raises(ValueError, match=r"w_up must start at a 16-byte aligned address.*w_up\.clone\(\)"):
             check_aligned(x=buf[:512].view(8, 64), w_up=buf[k:512 + k].view(8, 64))

@@ -55,15 +55,21 @@ def _kernel_checks(x: Tensor) -> None:
     _raise_if(_width_limit(x.shape[1]))
 
 
+def misaligned(t: Optional[Tensor]) -> bool:
+    """Whether the kernels cannot read t where it starts: they load rows with 16-byte vectors and TMA,
+    which fault on a misaligned start (a contiguous view at an element offset, e.g.
+    ``buf[1:].view(M, D)``) and lose the CUDA context. ``None`` and empty tensors (never read) pass.
+    Always False under torch.compile (no addresses while tracing): the extension's own check raises
+    at run time."""
+    return (t is not None and not torch.compiler.is_compiling() and t.numel() > 0
+            and t.data_ptr() % 16 != 0)
+
+
 def check_aligned(**tensors: Optional[Tensor]) -> None:
-    """The kernels read rows with 16-byte vectors and TMA, which fault on a misaligned start (a
-    contiguous view at an element offset, e.g. ``buf[1:].view(M, D)``): the CUDA context would be lost,
-    so refuse such a tensor with a readable error instead. ``None`` entries are skipped. Under
-    torch.compile (no addresses while tracing) the extension's own check raises at run time."""
-    if torch.compiler.is_compiling():
-        return
+    """Refuse any tensor the kernels cannot read where it starts (:func:`misaligned`) with a readable
+    error, instead of a fault."""
     for name, t in tensors.items():
-        if t is not None and t.numel() and t.data_ptr() % 16:  # an empty view is never read
+        if misaligned(t):
             raise ValueError(f"{name} must start at a 16-byte aligned address for the TwELL kernels; it starts "
                              f"{t.data_ptr() % 16} bytes past one (a view at an element offset?): pass "
                              f"{name}.clone()")

@@ -251,11 +251,10 @@ class SparseFFN(nn.Module):
         why = _kernels_unavailable()
         if why:
             return f"kernels unavailable: {why}"
-        if not torch.compiler.is_compiling():  # no addresses while tracing (the ops check at run time)
-            for name in ("gate_proj", "up_proj"):
-                m = getattr(self, name)
-                if m is not None and m.weight.data_ptr() % 16:
-                    return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
+        for name in ("gate_proj", "up_proj"):
+            m = getattr(self, name)
+            if m is not None and kernels.misaligned(m.weight):
+                return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
         return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
@@ -400,7 +399,7 @@ class SparseFFN(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        elif use_kernel and not torch.compiler.is_compiling() and x2.data_ptr() % 16:
+        elif use_kernel and impl.misaligned(x2):
             x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
         if self.gated and not (measure or self.keep_gate):
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
