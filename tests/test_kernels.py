@@ -1026,9 +1026,8 @@ def test_torch_compile_with_dynamic_shapes():
 @pytest.mark.parametrize("path", ["kernel", "auto"])
 def test_compiled_module_matches_eager(path):
     """A model compiled whole (torch.compile on the module, graph breaks allowed, dynamic batch) runs
-    the same kernels: bit-equal to eager, the path reported, "auto" still measuring once. (Breaks
-    remain: the W_down transpose cache, keyed on the weight's address and version, and "auto"'s
-    read of its activity.)"""
+    the same kernels: bit-equal to eager, the path reported, "auto" still measuring once ("auto"'s
+    one read of its activity breaks the graph; path "kernel" compiles as one graph, tested below)."""
     x, wg, wu, wd = inputs(1024, 512, 1024, nnz=6)
     eager, ffn = module_with(wg, wu, wd), module_with(wg, wu, wd)
     eager.path = ffn.path = path
@@ -1040,6 +1039,41 @@ def test_compiled_module_matches_eager(path):
                 assert torch.equal(compiled(x[:m]), eager(x[:m])), m
                 assert ffn.last_path == eager.last_path == "twell-kernel"
         assert ffn._auto_dense is eager._auto_dense
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_module_is_one_graph_and_sees_weight_updates(mode):
+    """Path "kernel" compiles with fullgraph=True, before any eager call too: ops inside the graph make
+    and check the W_down transpose cache at run time. An in-place write to W_down after compiling
+    reaches the next call, as it would for a dense model, also with CUDA-graph trees
+    ("reduce-overhead": the ops are cudagraph-unsafe, so they run at each call rather than once at
+    capture, and the cache's memory is not the graph's, which a later replay would overwrite)."""
+    x, wg, wu, wd = inputs(1024, 512, 1024, nnz=6)
+    eager, ffn = module_with(wg, wu, wd), module_with(wg, wu, wd)
+    eager.path = ffn.path = "kernel"
+    torch._dynamo.reset()
+    compiled = torch.compile(ffn, fullgraph=True, dynamic=True, mode=mode)
+    try:
+        with torch.no_grad():
+            for m in (1024, 300, 1024, 1024, 1024):  # repeats: CUDA-graph trees warm up, record, replay
+                assert torch.equal(compiled(x[:m]), eager(x[:m])), m
+            before = eager(x)
+            t = ffn._w_down_t
+            for f in (eager, ffn):
+                f.down_proj.weight.mul_(-2.0)  # exact in bf16
+            for _ in range(3):
+                out = compiled(x)
+                assert torch.equal(out, eager(x)) and torch.equal(out, before * -2.0)
+            assert ffn._w_down_t is t  # refreshed in place, not reallocated
+            t.fill_(float("nan"))  # the weight did not change: a call that copies anyway would undo this
+            assert compiled(x).isnan().any()  # so the op checked this very tensor (no clone) and kept it
+            ffn.down_proj.weight.mul_(1.0)  # a version bump: the next call copies again
+            assert torch.equal(compiled(x), eager(x))
+            ffn.invalidate_cache()  # dropped: the next compiled call makes a new one
+            for _ in range(3):
+                assert torch.equal(compiled(x), eager(x))
     finally:
         torch._dynamo.reset()
 
@@ -1157,6 +1191,30 @@ def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
             assert ffn.auto_note is None
             ffn(x)
             assert ffn.last_path == "twell-kernel" and (ffn.auto_note is not None) == expect_dense
+
+
+def test_module_captured_with_a_stale_transpose():
+    """W_down written in place after the cache was made, then a capture: the capture records the
+    refresh (each replay runs it) but does not run it, so an eager call before any replay must not
+    trust the cache, and replays must see later in-place writes too."""
+    x, wg, wu, wd = inputs(512, 512, 1024, nnz=6, seed=0)
+    ffn = module_with(wg, wu, wd)
+    ffn.path = "kernel"
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        first = ffn(x)  # makes the cache
+        ffn.down_proj.weight.mul_(-2.0)
+        with torch.cuda.graph(graph):
+            static_out = ffn(static_x)
+        assert torch.equal(ffn(x), first * -2.0)  # before any replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, first * -2.0)
+        ffn.down_proj.weight.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, -first)
 
 
 def test_module_runs_in_a_cuda_graph():

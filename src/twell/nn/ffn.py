@@ -38,9 +38,12 @@ in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL 
 ``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker; ``track_l1=False`` keeps
 ``stats.l1`` out of the autograd graph (for runs whose L1 coefficient is 0).
 
-The sparse paths cache W_down's transpose (``w_down_t()``). Every forward with autograd recording
-drops it (a fused optimizer step does not bump the weight's version); after writing the weights in
-place through ``.data`` outside training, call ``invalidate_cache()``.
+The sparse paths keep W_down's transpose (``w_down_t()``), refreshed when the weight's storage or
+version changed; compiled code makes and checks it through ops inside the graph, so it does not break
+a compiled layer's graph. Every forward with autograd recording drops it (a fused optimizer step
+does not bump the weight's version); after writing the weights through ``.data`` outside training,
+call ``invalidate_cache()``. A CUDA graph captured while the copy was current reads it at each replay
+without checking it: after changing the weights, capture again.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from torch import nn
 
 from twell.formats import check_tiling
 from twell.formats.twell import columns_limit
+from twell.nn.transpose import holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
@@ -156,8 +160,9 @@ class SparseFFN(nn.Module):
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
         self._activity_note: Optional[str] = None
+        # W_down transposed, [H, D] (w_down_t()). A plain attribute, not a buffer: DDP broadcasts buffers,
+        # and ranks that ran different inference calls would disagree on it.
         self._w_down_t: Optional[torch.Tensor] = None
-        self._w_down_t_version: Optional[tuple] = None
 
     # -- configuration ---------------------------------------------------------------------------
     @property
@@ -358,26 +363,36 @@ class SparseFFN(nn.Module):
         return self.down_proj(h)
 
     def invalidate_cache(self) -> None:
-        """Drop the cached W_down transpose (:meth:`w_down_t`). Call it after writing the weights in place
-        through ``.data`` (or with a fused optimizer step) outside training forwards: such writes do
-        not bump the tensor version the cache is keyed on."""
-        self._w_down_t = self._w_down_t_version = None
+        """Drop the cached W_down transpose (:meth:`w_down_t`). Call it after writing the weights through
+        ``.data`` (or with a fused optimizer step) outside training forwards: such writes do not bump the
+        version counter that the cache follows."""
+        self._w_down_t = None
 
     def w_down_t(self) -> torch.Tensor:
         """W_down transposed to [H, D] (one contiguous row per neuron), cached until the weight changes.
 
-        The cache is keyed on the weight's storage and version and dropped by every forward with
-        autograd recording; in-place writes through ``.data`` need :meth:`invalidate_cache`."""
-        w = self.down_proj.weight
-        key = (w.data_ptr(), w._version, w.device, w.dtype)
-        if self._w_down_t is None or self._w_down_t_version != key:
+        The copy is refreshed when the weight's storage or version moved (``twell.nn.transpose``); in
+        compiled code ops make and check it at run time, so the graph does not break here (a compiled
+        layer that had no copy yet recompiles once after its first call). Forwards with autograd
+        recording drop the copy; writes through ``.data`` need :meth:`invalidate_cache`."""
+        w = self.down_proj.weight.detach()  # the copy is a constant of the sparse paths, never a leaf's view
+        t = self._w_down_t
+        stale = t is None or t.shape != (w.shape[1], w.shape[0]) or t.dtype != w.dtype or t.device != w.device
+        if torch.compiler.is_compiling():
+            if stale:
+                self._w_down_t = t = new_transpose_(w)
+            else:
+                refresh_transpose_(w, t)
+            return t
+        if stale:
             if w.is_cuda and torch.cuda.is_current_stream_capturing():
-                # A capture records the copy without running it: a cached result would hold garbage
-                # until the first replay, so the graph makes its own copy and nothing is cached.
-                return w.detach().t().contiguous()
-            self._w_down_t = w.detach().t().contiguous()
-            self._w_down_t_version = key
-        return self._w_down_t
+                # Memory allocated in a capture belongs to the graph's pool: keep nothing from it; the
+                # graph makes (and replays) its own copy.
+                return w.t().contiguous()
+            self._w_down_t = t = new_transpose(w)
+        elif not holds(t, w):
+            refresh_transpose(w, t)
+        return t
 
     BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none unless mlp_bias=True)"
 

@@ -1,0 +1,168 @@
+"""SparseFFN's cached W_down transpose (twell.nn.transpose): refreshed exactly when the weight changed,
+in eager and compiled code. The kernels' compiled-module tests (test_kernels.py) run it on the GPU."""
+import pytest
+import torch
+from torch import nn
+
+from twell.nn import SparseFFN
+from twell.nn.transpose import new_transpose_, refresh_transpose, refresh_transpose_
+
+
+def layer(D=64, H=256):
+    torch.manual_seed(0)
+    return SparseFFN(D, H, path="reference").to(torch.bfloat16).requires_grad_(False)
+
+
+def test_the_copy_is_made_once_and_refreshed_when_the_weight_changes():
+    ffn = layer()
+    w = ffn.down_proj.weight
+    t = ffn.w_down_t()
+    assert torch.equal(t, w.t()) and t.is_contiguous()
+    t.fill_(float("nan"))  # a copy made on a call that did not need one would overwrite this
+    assert ffn.w_down_t() is t and t.isnan().all()
+    w.mul_(2)  # in place: bumps the version
+    assert ffn.w_down_t() is t and torch.equal(t, w.t())
+    ffn.down_proj.weight = nn.Parameter(torch.randn_like(w), requires_grad=False)  # another storage
+    assert torch.equal(ffn.w_down_t(), ffn.down_proj.weight.t())
+    ffn.down_proj.weight.data.copy_(torch.randn_like(w))  # through .data: no version bump, documented
+    ffn.invalidate_cache()
+    assert torch.equal(ffn.w_down_t(), ffn.down_proj.weight.t())
+
+
+def test_a_new_weight_at_an_old_weights_address_and_version_is_not_mistaken_for_it():
+    """The old cache key (address, version) took a new weight that sat where the cached one had been, at
+    the same version, for the old one. Two tensors over one bytearray make that case without relying
+    on the allocator: same address, both at version 0, contents changed behind torch's back."""
+    ffn = layer()
+    memory = bytearray(64 * 256 * 2)
+
+    def weight_over_memory(seed):
+        values = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        memory[:] = values.view(torch.uint8).flatten().numpy().tobytes()  # in place: same address
+        w = torch.frombuffer(memory, dtype=torch.bfloat16).view(64, 256)
+        return nn.Parameter(w, requires_grad=False), values
+
+    ffn.down_proj.weight, first = weight_over_memory(1)
+    assert torch.equal(ffn.w_down_t(), first.t())
+    ptr = ffn.down_proj.weight.data_ptr()
+    ffn.down_proj.weight, second = weight_over_memory(2)
+    assert ffn.down_proj.weight.data_ptr() == ptr and ffn.down_proj.weight._version == 0
+    assert torch.equal(ffn.w_down_t(), second.t())
+
+
+def test_training_forwards_drop_the_copy():
+    ffn = layer().requires_grad_(True)
+    with torch.no_grad():
+        ffn.w_down_t()
+    assert ffn._w_down_t is not None
+    ffn(torch.randn(4, 64).to(torch.bfloat16))  # autograd recording: a fused optimizer step may follow
+    assert ffn._w_down_t is None
+
+
+def test_compiled_code_is_one_graph_and_sees_in_place_updates():
+    """The staleness check runs inside the compiled graph (an opaque op), so fullgraph compiles and an
+    in-place weight update after compilation is still seen, with no recompilation."""
+    ffn = layer()
+    h = torch.randn(5, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        ffn.w_down_t()  # the copy exists (see the next test for a layer compiled before that)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: h @ ffn.w_down_t(), fullgraph=True, dynamic=True)
+    try:
+        with torch.no_grad():
+            for m in (5, 3):
+                assert torch.equal(compiled(h[:m]), h[:m] @ ffn.down_proj.weight.t())
+            ffn.down_proj.weight.mul_(-3)
+            assert torch.equal(compiled(h), h @ ffn.down_proj.weight.t())
+    finally:
+        torch._dynamo.reset()
+
+
+class Layers(nn.Module):
+    """A loop over layers, as transformers' models run them (a graph break inside such a loop sends
+    dynamo back to eager for the whole forward)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(n))
+
+    def forward(self, h):
+        return torch.cat([h @ f.w_down_t() for f in self.layers])
+
+
+def test_a_model_compiled_before_any_eager_call_is_one_graph_and_makes_its_copies_once():
+    """With no copy yet, compiled code makes it through an op (memory made by a graph's own code would
+    belong to the graph); fullgraph holds in a loop over layers, also after invalidate_cache, and the
+    layers' copies recompile the graph once, not once per layer."""
+    from torch._dynamo.utils import counters
+
+    model = Layers(3)
+    h = torch.randn(5, 256).to(torch.bfloat16)
+    expect = lambda: torch.cat([h @ f.down_proj.weight.t() for f in model.layers])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(compiled(h), expect())
+            copies = [f._w_down_t for f in model.layers]
+            assert all(t is not None for t in copies)
+            model.layers[1].down_proj.weight.mul_(2)
+            assert torch.equal(compiled(h), expect())
+            assert all(f._w_down_t is t for f, t in zip(model.layers, copies))  # refreshed in place
+            model.layers[2].invalidate_cache()
+            assert torch.equal(compiled(h), expect()) and model.layers[2]._w_down_t is not None
+            assert torch.equal(compiled(h), expect())
+        assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+        assert not counters["graph_break"]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_module_with_its_copy_saves_loads_and_deep_copies():
+    """The copy's bookkeeping lives outside the tensor, so torch.save(module) works; a loaded or
+    deep-copied module makes its own copy on first use. Not a buffer: DDP would broadcast it."""
+    import copy
+    import io
+
+    ffn = layer()
+    ffn.w_down_t()
+    assert "_w_down_t" not in dict(ffn.named_buffers()) and "_w_down_t" not in ffn.state_dict()
+    buf = io.BytesIO()
+    torch.save(ffn, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    loaded.down_proj.weight.mul_(3)
+    assert torch.equal(loaded.w_down_t(), loaded.down_proj.weight.t())
+    twin = copy.deepcopy(ffn)
+    twin.down_proj.weight.mul_(-1)
+    assert torch.equal(twin.w_down_t(), twin.down_proj.weight.t())
+    assert torch.equal(ffn.w_down_t(), ffn.down_proj.weight.t())
+
+
+def test_bookkeeping_leaves_with_the_copies():
+    from twell.nn import transpose
+
+    before = len(transpose._HELD)
+    ffn = layer()
+    ffn.w_down_t()
+    assert len(transpose._HELD) == before + 1
+    ffn.invalidate_cache()
+    assert len(transpose._HELD) == before
+
+
+def test_refresh_refuses_a_wrong_shaped_copy():
+    w = torch.randn(4, 6)
+    for refresh in (refresh_transpose, refresh_transpose_):
+        with pytest.raises(ValueError, match=r"\[6, 4\]"):
+            refresh(w, torch.empty(4, 6))
+        with pytest.raises(ValueError, match="float32"):
+            refresh(w, torch.empty(6, 4, dtype=torch.bfloat16))
+
+
+def test_the_ops_pass_opcheck():
+    w, out = torch.randn(4, 6), torch.empty(6, 4)
+    torch.library.opcheck(refresh_transpose_, (w, out))
+    torch.library.opcheck(new_transpose_, (w,))
+    assert torch.equal(new_transpose_(w), w.t())
