@@ -1071,9 +1071,12 @@ def test_compiled_module_is_one_graph_and_sees_weight_updates(mode):
             assert compiled(x).isnan().any()  # so the op checked this very tensor (no clone) and kept it
             ffn.down_proj.weight.mul_(1.0)  # a version bump: the next call copies again
             assert torch.equal(compiled(x), eager(x))
-            ffn.invalidate_cache()  # dropped: the next compiled call makes a new one
+            for f in (eager, ffn):
+                f.down_proj.weight.data.mul_(-1.0)  # through .data: seen after invalidate_cache
+                f.invalidate_cache()  # marks the copy stale, keeps it: no recompile
             for _ in range(3):
-                assert torch.equal(compiled(x), eager(x))
+                assert torch.equal(compiled(x), eager(x)) and torch.equal(eager(x), before * 2.0)
+            assert ffn._w_down_t is t
     finally:
         torch._dynamo.reset()
 
@@ -1194,9 +1197,10 @@ def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
 
 
 def test_module_captured_with_a_stale_transpose():
-    """W_down written in place after the cache was made, then a capture: the capture records the
-    refresh (each replay runs it) but does not run it, so an eager call before any replay must not
-    trust the cache, and replays must see later in-place writes too."""
+    """W_down written in place after the cache was made, then a capture: the capture makes its own copy
+    in the graph's pool (each replay runs it) and leaves the stale cache alone (a copy into it, recorded,
+    would write into freed memory once the cache is replaced), so an eager call before any replay
+    refreshes the cache, and replays see later in-place writes too."""
     x, wg, wu, wd = inputs(512, 512, 1024, nnz=6, seed=0)
     ffn = module_with(wg, wu, wd)
     ffn.path = "kernel"

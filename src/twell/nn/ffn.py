@@ -40,10 +40,10 @@ in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL 
 
 The sparse paths keep W_down's transpose (``w_down_t()``), refreshed when the weight's storage or
 version changed; compiled code makes and checks it through ops inside the graph, so it does not break
-a compiled layer's graph. Every forward with autograd recording drops it (a fused optimizer step
-does not bump the weight's version); after writing the weights through ``.data`` outside training,
-call ``invalidate_cache()``. A CUDA graph captured while the copy was current reads it at each replay
-without checking it: after changing the weights, capture again.
+a compiled layer's graph. Every forward with autograd recording marks it stale (a fused optimizer
+step does not bump the weight's version); after writing the weights through ``.data`` outside
+training, call ``invalidate_cache()``. A CUDA graph captured while the copy was current reads it at
+each replay without checking it: after changing the weights, capture again.
 """
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ from torch import nn
 
 from twell.formats import check_tiling
 from twell.formats.twell import columns_limit
-from twell.nn.transpose import holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_
+from twell.nn.transpose import (
+    forget, forget_transpose_, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_,
+)
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
@@ -280,7 +282,8 @@ class SparseFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             # Training: the optimizer step that follows may update W_down without bumping its version
-            # (fused AdamW), so the cached transpose must not outlive this step.
+            # (fused AdamW), so the cached transpose must be copied again before its next use. (A copy
+            # that an inference call made stays allocated: 2 bytes per weight of W_down.)
             self.invalidate_cache()
             if self.train_backend is not None:
                 self.last_path = "train-backend"
@@ -363,36 +366,55 @@ class SparseFFN(nn.Module):
         return self.down_proj(h)
 
     def invalidate_cache(self) -> None:
-        """Drop the cached W_down transpose (:meth:`w_down_t`). Call it after writing the weights through
-        ``.data`` (or with a fused optimizer step) outside training forwards: such writes do not bump the
-        version counter that the cache follows."""
-        self._w_down_t = None
+        """Mark the cached W_down transpose (:meth:`w_down_t`) stale: the next sparse call copies the
+        weight again. Call it after writing the weights through ``.data`` (or with a fused optimizer
+        step) outside training forwards: such writes do not bump the version counter that the cache
+        follows. The tensor itself stays, so compiled graphs that read it stay valid (dropping it would
+        recompile them); moving or converting the module (``.to``, ``.half``, ...) drops it."""
+        t = self._w_down_t
+        if t is None:
+            return
+        if torch.compiler.is_compiling():
+            forget_transpose_(t)
+        else:
+            forget(t)
 
     def w_down_t(self) -> torch.Tensor:
         """W_down transposed to [H, D] (one contiguous row per neuron), cached until the weight changes.
 
-        The copy is refreshed when the weight's storage or version moved (``twell.nn.transpose``); in
-        compiled code ops make and check it at run time, so the graph does not break here (a compiled
-        layer that had no copy yet recompiles once after its first call). Forwards with autograd
-        recording drop the copy; writes through ``.data`` need :meth:`invalidate_cache`."""
+        The same tensor is refreshed in place when the weight's storage or version moved
+        (``twell.nn.transpose``), so a caller that keeps it sees later refreshes. In compiled code ops
+        make and check it at run time, so the graph does not break here (a compiled layer that had no
+        copy yet recompiles once). Forwards with autograd recording mark it stale; writes through
+        ``.data`` need :meth:`invalidate_cache`."""
         w = self.down_proj.weight.detach()  # the copy is a constant of the sparse paths, never a leaf's view
         t = self._w_down_t
-        stale = t is None or t.shape != (w.shape[1], w.shape[0]) or t.dtype != w.dtype or t.device != w.device
+        fits = (t is not None and t.shape == (w.shape[1], w.shape[0]) and t.dtype == w.dtype
+                and t.device == w.device)
         if torch.compiler.is_compiling():
-            if stale:
-                self._w_down_t = t = new_transpose_(w)
-            else:
+            if fits:
                 refresh_transpose_(w, t)
+            else:
+                self._w_down_t = t = new_transpose_(w)
             return t
-        if stale:
-            if w.is_cuda and torch.cuda.is_current_stream_capturing():
-                # Memory allocated in a capture belongs to the graph's pool: keep nothing from it; the
-                # graph makes (and replays) its own copy.
-                return w.t().contiguous()
+        if fits and t.is_inference() and not torch.is_inference_mode_enabled():
+            fits = False  # made under inference_mode: outside it, no in-place write is allowed
+        if w.is_cuda and torch.cuda.is_current_stream_capturing() and not (fits and holds(t, w)):
+            # A copy recorded into the cache would write, at every replay, into memory that a later
+            # reallocation frees; the graph makes (and replays) its own copy in its own pool instead.
+            return w.t().contiguous()
+        if not fits:
             self._w_down_t = t = new_transpose(w)
         elif not holds(t, w):
             refresh_transpose(w, t)
         return t
+
+    def _apply(self, fn, recurse=True):
+        self._w_down_t = None  # a copy for the weight before the move or conversion
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_w_down_t": None}  # pickles and deep copies make their own
 
     BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none unless mlp_bias=True)"
 

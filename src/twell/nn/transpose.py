@@ -3,8 +3,8 @@
 The fused kernels read W_down as [H, D] (one contiguous row per neuron); nn.Linear stores it [D, H].
 At the paper's shapes a transposed copy is 23 MB per layer, too much to redo on every call, so
 ``SparseFFN`` keeps one. Whether it is still valid depends on the weight's storage and version counter,
-which dynamo cannot trace: checked in Python, it broke a compiled module's graph (and a graph break
-inside a loop over layers sends dynamo back to eager for the whole forward). Compiled code therefore
+which dynamo cannot trace: checked in Python, it broke a compiled module's graph (and a graph
+break inside a loop over layers sends dynamo back to eager for the whole forward). Compiled code therefore
 makes and checks the copy through two opaque custom ops that run at run time inside the graph:
 ``new_transpose_`` and ``refresh_transpose_`` (inductor calls the latter on the cached tensor itself;
 backends that functionalize without reinplacing hand it a clone, and then it copies every call:
@@ -29,9 +29,11 @@ _HELD: dict[int, object] = {}
 
 
 def _source(w: torch.Tensor) -> tuple:
-    # The storage object itself (torch keeps one Python object per storage), not its address: a freed
-    # weight's address can come back for another tensor at the same version.
-    return (weakref.ref(w.untyped_storage()), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w._version)
+    # The storage object itself (torch keeps one Python object per storage), not only its address: a
+    # freed weight's address can come back for another tensor at the same version. The address too: a
+    # storage resized to nothing and back (as FSDP does) keeps its object and version.
+    return (weakref.ref(w.untyped_storage()), w.data_ptr(), w.storage_offset(), tuple(w.shape),
+            tuple(w.stride()), w._version)
 
 
 def _set_held(out: torch.Tensor, src) -> None:
@@ -39,6 +41,12 @@ def _set_held(out: torch.Tensor, src) -> None:
     if key not in _HELD:
         weakref.finalize(out, _HELD.pop, key, None)
     _HELD[key] = src
+
+
+def forget(out: torch.Tensor) -> None:
+    """Mark ``out`` as not current: its next refresh copies. The tensor stays (a compiled graph that
+    reads it keeps its guards)."""
+    _set_held(out, None)
 
 
 def holds(out: torch.Tensor, w: torch.Tensor) -> bool:
@@ -50,7 +58,8 @@ def holds(out: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _check(w: torch.Tensor, out: torch.Tensor) -> None:
-    if w.dim() != 2 or out.shape != (w.shape[1], w.shape[0]) or out.dtype != w.dtype or out.device != w.device:
+    if (w.dim() != 2 or out.shape != (w.shape[1], w.shape[0]) or out.dtype != w.dtype
+            or out.device != w.device):
         want = f"[{w.shape[1]}, {w.shape[0]}]" if w.dim() == 2 else "[?, ?]"
         raise ValueError(f"refresh_transpose: out must be a {w.dtype} {want} tensor on {w.device} for a 2-d "
                          f"weight {tuple(w.shape)}; got {out.dtype} {tuple(out.shape)} on {out.device}")
@@ -93,6 +102,18 @@ def refresh_transpose_(w: torch.Tensor, out: torch.Tensor) -> None:
 
 @refresh_transpose_.register_fake
 def _(w, out):
+    return None
+
+
+@torch.library.custom_op("twell::forget_transpose_", mutates_args=("out",), tags=_OPS_TAGS)
+def forget_transpose_(out: torch.Tensor) -> None:
+    """:func:`forget` as an op that compiled graphs keep. Declared as mutating ``out`` so that it stays
+    in the graph, in order, although it writes no element."""
+    forget(out)
+
+
+@forget_transpose_.register_fake
+def _(out):
     return None
 
 
