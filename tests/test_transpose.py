@@ -151,6 +151,70 @@ def test_a_model_compiled_before_any_eager_call_is_one_graph_and_makes_its_copie
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_compiled_training_step_leaves_no_trusted_stale_copy(backend):
+    """Eval, a compiled training step with fused AdamW (which does not bump the weight's version), eval:
+    the sparse path must follow the new weights. aot_eager hands ops clones, so marking the copy stale
+    inside the graph would mark a clone; the compiled step drops it instead."""
+    torch.manual_seed(0)
+    ffn = SparseFFN(64, 256, path="reference").to(torch.bfloat16)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+
+    def sparse_minus_dense():
+        with torch.no_grad():
+            ffn.path = "reference"
+            out = ffn(x).float()
+            ffn.path = "dense"
+            return (out - ffn(x).float()).abs().max().item()
+
+    assert sparse_minus_dense() < 0.05  # makes the copy
+    opt = torch.optim.AdamW(ffn.parameters(), lr=0.05, fused=True)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: ffn(x).float().pow(2).sum(), backend=backend)
+    try:
+        step(x).backward()
+        opt.step()
+    finally:
+        torch._dynamo.reset()
+    assert sparse_minus_dense() < 0.05
+
+
+def test_moving_a_layer_where_it_already_is_keeps_its_copy():
+    """A no-op move (``layer.to`` its own device) keeps the copy, so compiled graphs do not recompile;
+    a conversion to another dtype drops it (freed at once, not at the next call)."""
+    from torch._dynamo.utils import counters
+
+    model = Layers(4)
+    h = torch.randn(5, 256).to(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    try:
+        with torch.no_grad():
+            compiled(h)
+            compiled(h)
+            graphs = counters["stats"]["unique_graphs"]
+            for f in model.layers:
+                t = f._w_down_t
+                f.to("cpu")
+                assert f._w_down_t is t
+                assert torch.equal(compiled(h), torch.cat([h @ g.down_proj.weight.t() for g in model.layers]))
+            assert counters["stats"]["unique_graphs"] == graphs
+            model.layers[0].float()
+            assert model.layers[0]._w_down_t is None
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_layer_built_under_inference_mode_follows_in_place_writes():
+    """Inference tensors have no version counter, so their copy is made again on every call."""
+    with torch.inference_mode():
+        ffn = layer()
+        first = ffn.w_down_t().clone()
+        ffn.down_proj.weight.mul_(2)
+        assert torch.equal(ffn.w_down_t(), 2 * first)
+
+
 def test_a_module_with_its_copy_saves_loads_and_deep_copies():
     """The copy's bookkeeping lives outside the tensor, so torch.save(module) works; a loaded or
     deep-copied module makes its own copy on first use. Not a buffer: DDP would broadcast it."""

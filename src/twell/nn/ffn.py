@@ -58,7 +58,7 @@ from torch import nn
 from twell.formats import check_tiling
 from twell.formats.twell import columns_limit
 from twell.nn.transpose import (
-    forget, forget_transpose_, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_,
+    forget, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_,
 )
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
@@ -369,13 +369,17 @@ class SparseFFN(nn.Module):
         """Mark the cached W_down transpose (:meth:`w_down_t`) stale: the next sparse call copies the
         weight again. Call it after writing the weights through ``.data`` (or with a fused optimizer
         step) outside training forwards: such writes do not bump the version counter that the cache
-        follows. The tensor itself stays, so compiled graphs that read it stay valid (dropping it would
-        recompile them); moving or converting the module (``.to``, ``.half``, ...) drops it."""
+        follows. In eager code the tensor itself stays, so compiled graphs that read it stay valid
+        (dropping it would recompile them); moving or converting the module (``.to``, ``.half``, ...)
+        to another device or dtype drops it."""
         t = self._w_down_t
         if t is None:
             return
         if torch.compiler.is_compiling():
-            forget_transpose_(t)
+            # Dropped, not marked: backends that functionalize without reinplacing would mark a clone.
+            # A compiled training step drops every layer's copy at once: one more graph, not one per
+            # layer.
+            self._w_down_t = None
         else:
             forget(t)
 
@@ -410,8 +414,11 @@ class SparseFFN(nn.Module):
         return t
 
     def _apply(self, fn, recurse=True):
-        self._w_down_t = None  # a copy for the weight before the move or conversion
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        t, w = self._w_down_t, self.down_proj.weight
+        if t is not None and (t.device != w.device or t.dtype != w.dtype):
+            self._w_down_t = None  # a copy for the weight before the move or conversion: free it now
+        return out
 
     def __getstate__(self):
         return {**super().__getstate__(), "_w_down_t": None}  # pickles and deep copies make their own

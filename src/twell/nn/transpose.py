@@ -30,8 +30,9 @@ _HELD: dict[int, object] = {}
 
 def _source(w: torch.Tensor) -> tuple:
     # The storage object itself (torch keeps one Python object per storage), not only its address: a
-    # freed weight's address can come back for another tensor at the same version. The address too: a
-    # storage resized to nothing and back (as FSDP does) keeps its object and version.
+    # freed weight's address can come back for another tensor at the same version. The address too, for
+    # what it is worth: a storage resized to nothing and back keeps its object and version, and is caught
+    # only where the allocator gives it another address.
     return (weakref.ref(w.untyped_storage()), w.data_ptr(), w.storage_offset(), tuple(w.shape),
             tuple(w.stride()), w._version)
 
@@ -45,14 +46,17 @@ def _set_held(out: torch.Tensor, src) -> None:
 
 def forget(out: torch.Tensor) -> None:
     """Mark ``out`` as not current: its next refresh copies. The tensor stays (a compiled graph that
-    reads it keeps its guards)."""
+    reads it keeps its guards). Eager code only: a compiled graph may hand an op a clone, and marking a
+    clone would leave the real copy trusted."""
     _set_held(out, None)
 
 
 def holds(out: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``out`` holds ``w.t()`` for the current storage and version of ``w`` (a host-side check)."""
     src = _HELD.get(id(out))
-    if src is None or src[0]() is not w.untyped_storage():
+    if src is None or w.is_inference() or src[0]() is not w.untyped_storage():
+        # An inference tensor has no version counter: in-place writes to it cannot be seen, so a copy
+        # of one is never trusted (it is made again on every call).
         return False
     return src[1:] == _source(w)[1:]
 
@@ -77,7 +81,7 @@ def refresh_transpose(w: torch.Tensor, out: torch.Tensor) -> None:
         return
     out.copy_(w.detach().t())
     capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
-    _set_held(out, None if capturing else _source(w))
+    _set_held(out, None if capturing or w.is_inference() else _source(w))
 
 
 def new_transpose(w: torch.Tensor) -> torch.Tensor:
@@ -102,18 +106,6 @@ def refresh_transpose_(w: torch.Tensor, out: torch.Tensor) -> None:
 
 @refresh_transpose_.register_fake
 def _(w, out):
-    return None
-
-
-@torch.library.custom_op("twell::forget_transpose_", mutates_args=("out",), tags=_OPS_TAGS)
-def forget_transpose_(out: torch.Tensor) -> None:
-    """:func:`forget` as an op that compiled graphs keep. Declared as mutating ``out`` so that it stays
-    in the graph, in order, although it writes no element."""
-    forget(out)
-
-
-@forget_transpose_.register_fake
-def _(out):
     return None
 
 
