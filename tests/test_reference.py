@@ -167,31 +167,6 @@ def test_module_paths_agree_and_report_themselves():
         silu.path = "reference"
 
 
-def test_module_w_down_t_cache_does_not_outlive_weight_updates():
-    """The sparse paths' cached W_down transpose follows a fused AdamW step (the training loop's optimizer
-    on CUDA; it does not bump the weight's version) and, through invalidate_cache(), a ``.data`` write."""
-    torch.manual_seed(0)
-    ffn = SparseFFN(64, 300, path="reference").to(torch.bfloat16)
-    x = torch.randn(8, 64).to(torch.bfloat16)
-
-    def sparse_vs_dense():
-        with torch.no_grad():
-            ffn.path = "reference"
-            out = ffn(x)
-            assert ffn.last_path == "twell-reference"
-            ffn.path = "dense"
-            return rel_err(out, ffn(x).float())
-
-    assert sparse_vs_dense() < 1e-2  # builds the cache
-    opt = torch.optim.AdamW(ffn.parameters(), lr=0.05, fused=True)
-    ffn(x).float().pow(2).sum().backward()  # a training forward (the parameters require grad)
-    opt.step()  # fused: leaves the weight's version as it was (torch 2.11-2.13), so a version-keyed cache went stale
-    assert sparse_vs_dense() < 1e-2
-    ffn.down_proj.weight.data.copy_(torch.randn_like(ffn.down_proj.weight))
-    ffn.invalidate_cache()
-    assert sparse_vs_dense() < 1e-2
-
-
 def test_module_runs_one_op_unless_it_needs_the_twell(monkeypatch):
     """A gated layer calls sparse_gated_ffn (the kernels' one op, which keeps the TwELL inside) with its
     tiling and union rule; with keep_gate it calls the gate op and the fused op instead and keeps the
