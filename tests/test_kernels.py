@@ -1199,8 +1199,8 @@ def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
 def test_module_captured_with_a_stale_transpose():
     """W_down written in place after the cache was made, then a capture: the capture makes its own copy
     in the graph's pool (each replay runs it) and leaves the stale cache alone (a copy into it, recorded,
-    would write into freed memory once the cache is replaced), so an eager call before any replay
-    refreshes the cache, and replays see later in-place writes too."""
+    would write into freed memory once the cache is replaced): a poisoned cache stays poisoned through
+    a replay. An eager call refreshes the cache, and replays see later in-place writes too."""
     x, wg, wu, wd = inputs(512, 512, 1024, nnz=6, seed=0)
     ffn = module_with(wg, wu, wd)
     ffn.path = "kernel"
@@ -1211,7 +1211,13 @@ def test_module_captured_with_a_stale_transpose():
         ffn.down_proj.weight.mul_(-2.0)
         with torch.cuda.graph(graph):
             static_out = ffn(static_x)
-        assert torch.equal(ffn(x), first * -2.0)  # before any replay
+        cache = ffn._w_down_t
+        cache.fill_(float("nan"))  # a replay that writes into the cache would overwrite this
+        graph.replay()
+        torch.cuda.synchronize()
+        assert cache.isnan().all() and torch.equal(static_out, first * -2.0)
+        assert torch.equal(ffn(x), first * -2.0)  # eager: the cache is still stale, so it is refreshed
+        assert ffn._w_down_t is cache and not cache.isnan().any()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, first * -2.0)
