@@ -22,9 +22,10 @@ import weakref
 
 import torch
 
-# id(copy) -> what it holds: (weakref to the weight's storage, offset, shape, strides, version), or None
-# when not current. Kept here, not on the tensor: a weakref in a tensor's __dict__ breaks
-# torch.save(module). A finalizer removes each entry with its tensor, so a reused id never finds one.
+# id(copy) -> what it holds: (weakref to the weight's storage, address, offset, shape, strides,
+# version), or None when not current. Kept here, not on the tensor: a weakref in a tensor's __dict__
+# breaks torch.save(module). A finalizer removes each entry with its tensor, so a reused id never
+# finds one.
 _HELD: dict[int, object] = {}
 
 
