@@ -22,20 +22,18 @@ import weakref
 
 import torch
 
-# id(copy) -> what it holds: (weakref to the weight's storage, address, offset, shape, strides,
-# version), or None when not current. Kept here, not on the tensor: a weakref in a tensor's __dict__
-# breaks torch.save(module). A finalizer removes each entry with its tensor, so a reused id never
-# finds one.
+# id(copy) -> what it holds: (weakref to the weight's storage, _state(weight)), or None when not
+# current. Kept here, not on the tensor: a weakref in a tensor's __dict__ breaks torch.save(module).
+# A finalizer removes each entry with its tensor, so a reused id never finds one.
 _HELD: dict[int, object] = {}
 
 
-def _source(w: torch.Tensor) -> tuple:
-    # The storage object itself (torch keeps one Python object per storage), not only its address: a
-    # freed weight's address can come back for another tensor at the same version. The address too, for
-    # what it is worth: a storage resized to nothing and back keeps its object and version, and is caught
-    # only where the allocator gives it another address.
-    return (weakref.ref(w.untyped_storage()), w.data_ptr(), w.storage_offset(), tuple(w.shape),
-            tuple(w.stride()), w._version)
+def _state(w: torch.Tensor) -> tuple:
+    # Beside the storage object itself (torch keeps one Python object per storage; an address alone can
+    # come back for another tensor at the same version), the address too, for what it is worth: a
+    # storage resized to nothing and back keeps its object and version, and is caught only where the
+    # allocator gives it another address.
+    return (w.data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w._version)
 
 
 def _set_held(out: torch.Tensor, src) -> None:
@@ -59,7 +57,13 @@ def holds(out: torch.Tensor, w: torch.Tensor) -> bool:
         # An inference tensor has no version counter: in-place writes to it cannot be seen, so a copy
         # of one is never trusted (it is made again on every call).
         return False
-    return src[1:] == _source(w)[1:]
+    return src[1] == _state(w)
+
+
+def _transposed_shape(w: torch.Tensor, who: str) -> tuple[int, int]:
+    if w.dim() != 2:
+        raise ValueError(f"{who}: expected a 2-d weight, got shape {tuple(w.shape)}")
+    return w.shape[1], w.shape[0]
 
 
 def _check(w: torch.Tensor, out: torch.Tensor) -> None:
@@ -82,15 +86,13 @@ def refresh_transpose(w: torch.Tensor, out: torch.Tensor) -> None:
         return
     out.copy_(w.detach().t())
     capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
-    _set_held(out, None if capturing or w.is_inference() else _source(w))
+    _set_held(out, None if capturing or w.is_inference() else (weakref.ref(w.untyped_storage()), _state(w)))
 
 
 def new_transpose(w: torch.Tensor) -> torch.Tensor:
     """A new contiguous ``w.t()`` that :func:`refresh_transpose` knows to hold ``w``. Its address is
     marked static for CUDA-graph trees (no copy into a graph-owned input at each replay)."""
-    if w.dim() != 2:
-        raise ValueError(f"new_transpose: expected a 2-d weight, got shape {tuple(w.shape)}")
-    out = torch.empty(w.shape[1], w.shape[0], dtype=w.dtype, device=w.device)
+    out = torch.empty(_transposed_shape(w, "new_transpose"), dtype=w.dtype, device=w.device)
     refresh_transpose(w, out)
     torch._dynamo.mark_static_address(out, guard=False)  # a new address makes the trees re-record
     return out
@@ -118,6 +120,4 @@ def new_transpose_(w: torch.Tensor) -> torch.Tensor:
 
 @new_transpose_.register_fake
 def _(w):
-    if w.dim() != 2:
-        raise ValueError(f"new_transpose: expected a 2-d weight, got shape {tuple(w.shape)}")
-    return w.new_empty(w.shape[1], w.shape[0])
+    return w.new_empty(_transposed_shape(w, "new_transpose"))
