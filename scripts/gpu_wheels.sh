@@ -3,6 +3,7 @@
 # own torch, transformers, accelerate, pandas, pyarrow, scikit-learn, sacrebleu, ... are used as they
 # are). Run here, in the repository root (needs a package registry); then pass `.whl` in the device
 # tool's `carry`: scripts/gpu_check.sh installs them into /tmp/site when .whl/ exists.
+# The second part fills .whl-nb/ for scripts/gpu_pipeline.sh (the notebooks through papermill).
 # Versions match the local environment that the CPU tests use.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,3 +19,14 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl \
 # These ship only as source: build pure-Python wheels here.
 python3 -m pip wheel -q --no-deps -w .whl sqlitedict==2.1.0 word2number==1.1 rouge-score==0.1.2
 ls .whl && du -sh .whl
+
+# The notebook pipeline's needs (papermill and a Jupyter kernel; the image has matplotlib and seaborn)
+# go to .whl-nb/, apart from .whl/: scripts/gpu_pipeline.sh installs them into a venv that sees the
+# image's packages, so pip adds only what the image lacks. numpy and pandas are left out: the image
+# has them, and its copies must stay the ones its other packages were built against.
+mkdir -p .whl-nb
+grep -qx '/.whl-nb/' .git/info/exclude 2>/dev/null || echo '/.whl-nb/' >> .git/info/exclude
+python3 -m pip download -q "${PLAT[@]}" -d .whl-nb \
+    papermill==2.7.0 ipykernel==7.4.0
+rm -f .whl-nb/numpy-*.whl .whl-nb/pandas-*.whl
+ls .whl-nb && du -sh .whl-nb
