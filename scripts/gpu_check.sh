@@ -15,6 +15,8 @@
 #   SKIP_BUILD=1 SKIP_PTXAS=1 SKIP_TESTS=1 SKIP_BENCH=1   skip a stage
 #   PYTHON       interpreter (default python3); MAX_JOBS (default: nproc)
 # Carry .whl (scripts/gpu_wheels.sh) for the lm-eval GPU test; without it that test fails on import.
+# Carry .whl-nb too for the notebook tests (tests/test_pipeline.py, tests/test_eval_notebook.py); without
+# it they are skipped (no nbformat on the GPU image).
 # Exit status: 0 when every stage that ran passed, else 1 (each stage is attempted regardless).
 set -u -o pipefail
 
@@ -31,6 +33,12 @@ export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "!!! installing .whl/ failed"
+fi
+# papermill and a Jupyter kernel (.whl-nb/, scripts/gpu_wheels.sh) for the notebook tests, installed into
+# the image's environment with pip resolving against it, so only what is missing is added.
+if compgen -G ".whl-nb/*.whl" >/dev/null && ! "$PY" -c "import papermill, ipykernel" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-cache-dir --find-links .whl-nb papermill ipykernel \
+        || echo "!!! installing .whl-nb/ failed"
 fi
 
 declare -a NAMES=() RESULTS=()

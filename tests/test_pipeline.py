@@ -303,3 +303,35 @@ def test_environ_set_restores_after_an_error(monkeypatch):
             assert "TWELL_TEST_A" not in os.environ and os.environ["TWELL_TEST_B"] == "b"
             raise RuntimeError("inside")
     assert os.environ["TWELL_TEST_A"] == "a" and "TWELL_TEST_B" not in os.environ
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_notebook_01_on_a_gpu_builds_verifies_and_benchmarks_the_kernels(tmp_path):
+    """Notebook 01's GPU branch, end to end through papermill: gpu-small with smaller shapes."""
+    import pandas as pd
+
+    from twell import kernels
+
+    ok, why = kernels.available(build=False)
+    assert ok, f"kernels unavailable on this GPU machine: {why}"
+    reports = tmp_path / "reports"
+    small = {"verify_shapes": [[777, 320, 1000, 8, 0.1]], "heavy_rows": 4, "Ms": [2048],
+             "cases": ["nnz8", "nnz29-heavy"], "reps": 5}
+    results = pl.run_pipeline("gpu-small", only="01", overrides={"01": small}, reports_dir=reports,
+                              progress=False)
+    assert [(r.notebook, r.status) for r in results] == [("01_kernels", "ok")]
+    text = _stream_text(results[0].output)
+    assert "ready in" in text and "NO BENCHMARK DATA" not in text
+    checks = pd.read_csv(reports / "tables" / "01_kernel_verification.csv")
+    # The kernels ran (compared with the reference) and passed on both row groups of every op.
+    assert set(checks["op"]) == {"gate -> TwELL", "fused gated up/down", "non-gated down"}
+    assert checks["ok"].eq("yes").all() and checks["vs reference"].notna().all()
+    # This run's benchmark: written under the run's reports, shown as measured in this run, correct.
+    (bench_json,) = (reports / "bench").glob("ffn-*.json")
+    result = json.loads(bench_json.read_text())
+    assert not result["failures"]
+    speed = pd.read_csv(reports / "tables" / "01_kernel_speedup.csv")
+    assert set(speed["M"]) == {2048, 12345} and speed["in this run"].eq("yes").all()
+    assert speed["correct"].eq("yes").all() and (speed["speedup"] > 0).all()
+    assert (reports / "figures" / "01_kernel_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
