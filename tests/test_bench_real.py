@@ -124,7 +124,7 @@ def test_speedup_plot_shows_real_layers_as_points(checkpoint, prepared):
     assert [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white" and ln.get_marker() == "D"] == [hollow]
     crosses = [ln for ln in ax.get_lines() if ln.get_marker() == "x" and len(ln.get_xdata())]
     assert [list(ln.get_ydata()) for ln in crosses] == [[0.5 + 0.25 * i for i in real_rows if i % 2]]
-    assert "WRONG or failed (rel. error >= tol)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ks.WRONG_LABEL in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_bench_all_adds_real_cases_after_generator_cases(checkpoint, prepared):

@@ -181,6 +181,29 @@ def test_spilled_tiles_are_decoded_exactly():
     bad[0, 0, 0] = torch.tensor(0x80000000 | 99).to(torch.int32)
     with pytest.raises(ValueError, match="spill"):
         TwELL(bad.view(3, 64).view(torch.uint32), None, None, 300, spill=spill).validate()
+    # An offset inside the area whose entries run past its end: ValueError too, not an IndexError.
+    short = spill[:20].clone()
+    with pytest.raises(ValueError, match="past the end of the spill area"):
+        TwELL(words.view(3, 64).view(torch.uint32), None, None, 300, spill=short).validate()
+    # nbytes of such a TwELL (overflow fields derived, no source): the words, no backup, the spill area.
+    assert t.nbytes() == 3 * 64 * 4 + 100 * 4
+    x, w = torch.randn(3, 16).to(torch.bfloat16), torch.randn(300, 16).to(torch.bfloat16)
+    assert TwELL(words.view(3, 64).view(torch.uint32), None, None, 300, spill=spill, source=(x, w)).nbytes() == t.nbytes()
+
+
+def test_nbytes_counts_the_dense_backup_without_building_it():
+    """A kernel TwELL recomputes its backup from ``source`` on demand; nbytes counts it at [R, H] bf16
+    without running that GEMM, the same number as the eagerly packed TwELL."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 32, generator=g), torch.randn(300, 32, generator=g)
+    x[:, 0], w[:, 0] = 1.0, -14.0  # a bias: ~2.5 sd, a few active neurons per row
+    x[2, 1:] *= 10  # row 2 overflows its tiles
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    packed = pack_twell(torch.relu(torch.nn.functional.linear(x, w)), compression=8)
+    assert packed.n_overflow_rows == 1
+    lazy = TwELL(packed.packed, None, None, 300, source=(x, w))
+    assert lazy.nbytes() == packed.nbytes() == 6 * 64 * 4 + 8 + 300 * 2
+    assert lazy.overflow_dense_ is None  # not built by nbytes
 
 
 def test_twell_refuses_packed_words_of_the_wrong_geometry():

@@ -133,3 +133,22 @@ def test_committed_runs_hold_real_layers_at_every_bar_range():
     assert (t["correct"] == "yes").all()
     assert t["nnz mean"].min() < 8 and t["nnz mean"].max() > 64
     assert t["speedup"].notna().all()
+
+
+def test_plot_shows_layers_that_failed_without_a_timing(tmp_path):
+    """A layer whose implementation raised has no speedup (NaN): its cross sits on the axis, not at NaN
+    (invisible), and a run where every layer failed still plots."""
+    d = tmp_path / "bench"
+    d.mkdir()
+    failed = _case(1, 40.0, {"twell-kernel": 1.0}, ok=False)
+    del failed["impls"]["twell-kernel"]["speedup"], failed["impls"]["twell-kernel"]["timing"]
+    (d / "ffn-a.json").write_text(json.dumps(_result("2026-11-25T10:00:00+00:00", [
+        _case(0, 6.0, {"twell-kernel": 2.9}), failed])))
+    t = rl.real_layer_table([d])
+    assert t.loc[t["layer"] == 1, "speedup"].isna().all() and (t.loc[t["layer"] == 1, "correct"] == "no").all()
+    ax = rl.plot_real_layers(t).axes[0]
+    crosses = [ln for ln in ax.get_lines() if ln.get_marker() == "x" and len(ln.get_xdata())]
+    assert [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in crosses] == [([40.0], [0.0])]
+    assert any("failed" in s.get_text() for s in ax.get_legend().get_texts())
+    ax = rl.plot_real_layers(t[t["layer"] == 1]).axes[0]  # every layer failed
+    assert ax.get_ylim()[1] > 0

@@ -340,6 +340,11 @@ def test_reference_gate_errors_name_the_caller_s_tensors():
         twell_gate(torch.randn(4, 64, dtype=bf), torch.randn(0, 64, dtype=bf))
     with pytest.raises(TypeError, match="x: expected bfloat16"):
         hybrid_gated_ffn(torch.randn(4, 64), *(torch.randn(256, 64, dtype=bf) for _ in range(3)))
+    x, w = torch.randn(4, 64, dtype=bf), torch.randn(256, 64, dtype=bf)
+    for name in ("w_up", "w_down_t"):  # an H other than w_gate's is refused up front, by its own name
+        ws = {"w_up": w, "w_down_t": w, name: torch.randn(200, 64, dtype=bf)}
+        with pytest.raises(ValueError, match=rf"^{name}: expected bfloat16 \[256, 64\]"):
+            hybrid_gated_ffn(x, w, ws["w_up"], ws["w_down_t"])
 
 
 def test_auto_does_not_decide_on_an_empty_batch():

@@ -81,6 +81,9 @@ def test_save_table_csv_roundtrip_and_markdown(tmp_path):
         assert f"{df.loc[1, 'x']:.4g}" in lines[3]
     big = markdown_table(pd.DataFrame({"b": [11264.0, 12044.25, 0.000123456]}))
     assert big.splitlines()[2:] == ["| 11264 |", "| 12044.2 |", "| 0.0001235 |"]
+    # Values that round up to 10**digits keep their digits instead of turning into "1e+04".
+    edge = markdown_table(pd.DataFrame({"b": [9999.7, 99999.97]}))
+    assert edge.splitlines()[2:] == ["| 9999.7 |", "| 100000.0 |"]
 
 
 # -- format study ------------------------------------------------------------------------------------
@@ -229,6 +232,10 @@ def test_plot_footprint_and_overflow(small_study, tmp_path):
     cases, df = small_study
     fig = fp.plot_footprint(df, sweep_tail=0.1)
     assert [a.get_title() for a in fig.axes] == ["T = 64", "T = 128"]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "hybrid W=16, backup M/8" in legend and "tail 0.35,\nsame colours" in legend  # as the study ran
+    swept = fp.plot_footprint(df[df["tail"] == 0.1], sweep_tail=0.1)  # no off-sweep cases: no star entry
+    assert not any("tail" in t.get_text() for t in swept.legends[0].get_texts())
     ov = fs.overflow_table(df, cases)
     fig2 = fp.plot_overflow(ov)
     assert len(fig2.axes) == 2

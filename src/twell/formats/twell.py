@@ -120,7 +120,7 @@ class TwELL:
 
     @property
     def n_overflow_tiles(self) -> int:
-        """Tile rows with more nonzeros than slots (spilled or not)."""
+        """Tile rows with more nonzeros than their S - 1 entry slots (spilled or not)."""
         if self.n_overflow_tiles_ is None:
             self.n_overflow_tiles_ = int((self.counts() > self.slots - 1).sum())
         return self.n_overflow_tiles_
@@ -172,8 +172,15 @@ class TwELL:
         return mask
 
     def nbytes(self) -> int:
-        """Bytes of the packed matrix, the overflow row list and the dense backup."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.overflow_rows, self.overflow_dense))
+        """Bytes of the format: the packed matrix, the overflow row list, the dense backup and the spill area.
+
+        The backup is counted at its size, [R, H] bf16, without being built: a kernel TwELL recomputes
+        it only when asked (``source``). The spill area counts at its allocated size.
+        """
+        spill = 0 if self.spill is None else self.spill.numel() * self.spill.element_size()
+        rows = self.overflow_rows
+        return (self.packed.numel() * self.packed.element_size() + rows.numel() * rows.element_size()
+                + rows.numel() * self.n_cols * 2 + spill)
 
     def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """COO view of the packed part of the non-overflow rows: (rows int64, cols int64, values bf16)."""
@@ -223,6 +230,9 @@ class TwELL:
             offsets = raw[spilled] & ~self.SPILL_BIT
             if int(offsets.max()) >= self.spill.numel() - 1:
                 raise ValueError("TwELL spill offset past the spill area")
+            ends = offsets + 1 + self.spill.view(torch.int32)[offsets].to(torch.int64)
+            if int(ends.max()) > self.spill.numel():
+                raise ValueError("TwELL spilled entries run past the end of the spill area")
         cnt = self.counts()
         if (cnt < 0).any() or (cnt > self.tile).any():
             raise ValueError(f"TwELL counts outside [0, {self.tile}]")

@@ -118,6 +118,7 @@ def hybrid_gated_ffn(x, w_gate, w_up, w_down_t, width: int = 128, capacity: int 
     HybridCapacityError when more than ``capacity`` rows have over ``width`` nonzeros.
     """
     check_tensor("x", x, dtype=torch.bfloat16, shape=("M", "D"))
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
-        check_tensor(name, w, dtype=x.dtype, shape=("H", x.shape[1]), device=x.device)
+    check_tensor("w_gate", w_gate, dtype=x.dtype, shape=("H", x.shape[1]), device=x.device)
+    for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):  # the same H as w_gate
+        check_tensor(name, w, dtype=x.dtype, shape=(w_gate.shape[0], x.shape[1]), device=x.device)
     return _HybridGatedFFN.apply(x, w_gate, w_up, w_down_t, width, capacity)

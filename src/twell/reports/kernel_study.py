@@ -377,6 +377,17 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
 
 
 # ------------------------------------------------------------------ figure
+WRONG_LABEL = "WRONG (rel. error >= tol), or failed: no timing, drawn at 0"
+
+
+def plot_wrong(ax, table: pd.DataFrame) -> bool:
+    """Red crosses at the rows of ``table`` that are not correct; True when there were any. A case that
+    failed has no speedup (NaN), so its cross goes on the axis (y = 0) instead of vanishing."""
+    wrong = table[table["correct"] != "yes"]
+    ax.plot(wrong["nnz mean"], wrong["speedup"].fillna(0.0), "x", color="red", ms=14, mew=2.5, ls="none")
+    return len(wrong) > 0
+
+
 _M_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:cyan")
 
 
@@ -502,15 +513,13 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
                     left = r["case"] == HEAVY_CASE  # heavy tail shares x with nnz 29: label on the other side
                     values.append((0, _value_label(ax, f"{r['speedup']:.2f}x", (r["nnz mean"], r["speedup"]),
                                                    (-10 if left else 7, -3), col, ha="right" if left else "left")))
-        wrong = grp[grp["correct"] != "yes"]
-        ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
+        plot_wrong(ax, grp)
     others_real = [o[o["shape"] == "real"] for o in others]  # only their real layers are drawn
     for real in others_real:
         for M, grp in real.groupby("M"):
             col = color.get(("real", int(M)), "tab:brown")
             values += _plot_real(ax, grp, col, f"real inputs, {grp['impl'].iloc[0]}, M = {M}", hollow=True)
-            wrong = grp[grp["correct"] != "yes"]
-            ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
+            plot_wrong(ax, grp)
     ceiling = float(table["ceiling"].median())
     lo, hi = float(table["ceiling"].min()), float(table["ceiling"].max())
     ax.axhline(ceiling, color="black", ls="--", lw=1.5)
@@ -532,7 +541,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     labels.append("heavy tail (nnz 29, tail 0.35)")
     if any((t["correct"] != "yes").any() for t in (table, *others_real)):
         handles.append(Line2D([], [], marker="x", color="red", ms=10, mew=2.5, ls="none"))
-        labels.append("WRONG or failed (rel. error >= tol)")
+        labels.append(WRONG_LABEL)
     handles += [Line2D([], [], marker="_", color="crimson", ms=20, mew=3, ls="none"),
                 Line2D([], [], marker="_", color="darkorange", ms=20, mew=3, ls="none"),
                 Line2D([], [], marker="s", ls=":", color="dimgrey", mfc="white", ms=8)]

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from twell.bench.ffn import device_slug, protocol_deviations
-from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, load_bench
+from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, WRONG_LABEL, load_bench, plot_wrong
 
 COLUMNS = ["run", "measured at", "device", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
            "dense ms", "sparse ms", "speedup", "rel. error", "correct", "csrc"]
@@ -125,11 +125,9 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
         ax.plot(grp["nnz mean"], grp["speedup"], ls="none", ms=8, mew=1.5, mec=style["color"], **style)
         handles.append(Line2D([], [], ls="none", ms=8, mew=1.5, mec=style["color"], **style))
         labels.append(f"real layers, {label}")
-    wrong = table[table["correct"] != "yes"]
-    if len(wrong):
-        ax.plot(wrong["nnz mean"], wrong["speedup"], "x", color="red", ms=14, mew=2.5, ls="none")
+    if plot_wrong(ax, table):
         handles.append(Line2D([], [], marker="x", color="red", ms=10, mew=2.5, ls="none"))
-        labels.append("WRONG or failed (rel. error >= tol)")
+        labels.append(WRONG_LABEL)
     if generator is not None:
         gen = generator[(generator["shape"] == "inference") & (generator["M"] == BAR_M)
                         & (generator["case"] != HEAVY_CASE)].sort_values("nnz mean")
@@ -144,7 +142,8 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
     labels.append("speed bar (issue 3, on the generator), nnz 8/29/64")
     ax.axhline(1.0, color="grey", lw=1.2)
     xmax = max(float(table["nnz mean"].max()), 64.0) * 1.08
-    ymax = max(float(table["speedup"].max()), max(SPEED_BAR.values())) * 1.15
+    top = float(table["speedup"].max())  # NaN when every layer failed
+    ymax = max(0.0 if math.isnan(top) else top, max(SPEED_BAR.values())) * 1.15
     ax.set_xlim(0, xmax)
     ax.set_ylim(0, ymax)
     ax.set_xlabel("measured mean active neurons per row (of H) in the layer")

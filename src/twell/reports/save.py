@@ -48,9 +48,10 @@ def _cell(v: Any, float_digits: int) -> str:
             return ""
         if v.is_integer() and abs(v) < 1e15:
             return str(int(v))  # byte counts and the like: no exponent
-        if abs(v) >= 10 ** float_digits:
+        short = f"{v:.{float_digits}g}"
+        if abs(v) >= 10 ** float_digits or abs(float(short)) >= 10 ** float_digits:  # 9999.7 -> "1e+04"
             return f"{v:.1f}"
-        return f"{v:.{float_digits}g}"
+        return short
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
