@@ -149,6 +149,47 @@ def test_prepare_is_cached_and_deterministic(prepared, corpus, tmp_path):
     assert prepare_data(str(fresh.dir)).dir == fresh.dir
 
 
+def test_prepare_keeps_quoted_special_tokens_as_text_and_stops_at_max_tokens(corpus, tmp_path, monkeypatch):
+    """A document that quotes the EOS string stays one document (one EOS, its text decodes back), and
+    data.max_tokens stops at the document that reaches it, not at the end of a 256-document batch."""
+    monkeypatch.setenv("TWELL_CACHE", str(tmp_path / "cache"))
+    _, docs = corpus
+    quoted = [dict(d, text=f"{d['text']} <|endoftext|> {d['text']}") if i % 3 == 0 else d for i, d in enumerate(docs)]
+    src = tmp_path / "quoted.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in quoted))
+    p = prepare_data(DataConfig(source=str(src), vocab_size=320, val_fraction=0.2), progress=False)
+    assert p.eos_id == p.tokenizer().convert_tokens_to_ids("<|endoftext|>")
+    train, val = p.tokens("train"), p.tokens("val")
+    assert int((train == p.eos_id).sum()) == p.meta["n_train_docs"] and int((val == p.eos_id).sum()) == p.meta["n_val_docs"]
+    assert p.meta["n_train_docs"] + p.meta["n_val_docs"] == len(docs)
+    first = p.tokenizer().decode(train[:int(np.argmax(train == p.eos_id))].tolist())
+    assert first in {d["text"] for d in quoted}
+    # The saved tokenizer still maps the string to EOS (lm-eval and users see the usual tokenizer).
+    assert p.tokenizer()("<|endoftext|>", add_special_tokens=False)["input_ids"] == [p.eos_id]
+    full = p.meta["n_train_tokens"]
+    capped = prepare_data(DataConfig(source=str(src), vocab_size=320, val_fraction=0.2, max_tokens=full // 10),
+                          progress=False)
+    per_doc = full / p.meta["n_train_docs"]
+    assert full // 10 <= capped.meta["n_train_tokens"] < full // 10 + 4 * per_doc
+
+
+def test_prepared_data_follows_a_tokenizer_replaced_in_place(corpus, tmp_path, monkeypatch):
+    """data.tokenizer=<dir>: the cache is keyed on the tokenizer's content, not its path."""
+    from twell.data import train_bpe
+
+    monkeypatch.setenv("TWELL_CACHE", str(tmp_path / "cache"))
+    d, docs = corpus
+    tok_dir = tmp_path / "tok"
+    train_bpe([x["text"] for x in docs], 300).save_pretrained(str(tok_dir))
+    cfg = DataConfig(source=str(d / "docs.jsonl"), tokenizer=str(tok_dir), val_fraction=0.2)
+    first = prepare_data(cfg, progress=False)
+    assert prepare_data(cfg, progress=False).dir == first.dir  # unchanged: reused
+    shutil.rmtree(tok_dir)
+    train_bpe([x["text"] for x in docs], 340).save_pretrained(str(tok_dir))
+    again = prepare_data(cfg, progress=False)
+    assert again.dir != first.dir and again.vocab_size == 340 != first.vocab_size
+
+
 def test_prepare_replaces_only_empty_or_prepared_folders(corpus, tmp_path, capsys):
     from twell.data.__main__ import main as data_main
 

@@ -194,6 +194,32 @@ def test_load_rejects_mismatched_checkpoints(tmp_path):
 def test_load_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="checkpoint directory"):
         load_pretrained(tmp_path / "nope")
+    # A missing "runs/final" beside a local ./runs is a missing path, not a hub id to download.
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, **kw):
+        calls.append((repo_id, kw.get("local_files_only")))
+        raise RuntimeError("no network in tests")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match="not tried as a hub id because ./runs is a local folder"):
+        load_pretrained("runs/final")
+    assert calls == []
+    # TWELL_ALLOW_NETWORK=0 keeps a hub id in the local cache; unset, an explicit hub id may download.
+    monkeypatch.setenv("TWELL_ALLOW_NETWORK", "0")
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache only"):
+        load_pretrained("twell-tests/not-here")
+    monkeypatch.delenv("TWELL_ALLOW_NETWORK")
+    with pytest.raises(FileNotFoundError, match="online"):
+        load_pretrained("twell-tests/not-here")
+    assert calls == [("twell-tests/not-here", True), ("twell-tests/not-here", False)]
+    monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache only"):
         load_pretrained("twell-tests/definitely-not-cached")

@@ -3,6 +3,7 @@ import random
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,24 @@ def test_publish_run_files_copies_outside_runs_only(tmp_path):
     written = study.publish_run_files(runs, reports)
     assert written == [reports / "runs" / "02_tiny" / "metrics.jsonl"]
     assert sorted(p.name for p in (reports / "runs").iterdir()) == ["02_tiny", "small"]
+
+
+def test_training_plots_centre_their_moving_mean_and_name_its_span():
+    """Records logged every 10 steps: a 20-record mean spans 200 steps (the label says so), and a drop
+    at step 1000 is drawn at step ~1000, not one window late."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from twell.train import plots
+
+    steps = list(range(10, 2001, 10))
+    recs = {"train": [{"step": s, "ce": 5.0 if s < 1000 else 4.0, "active_mean": [50.0 if s < 1000 else 10.0],
+                       "dead_frac": [0.0]} for s in steps], "val": []}
+    fig = plots.plot_loss({"run": recs}, smooth=20)
+    assert fig.axes[0].get_ylabel() == "train cross-entropy\n(moving mean, 20 records = 200 steps)"
+    x, y = fig.axes[0].get_lines()[0].get_data()
+    assert abs(float(np.interp(4.5, y[::-1], x[::-1])) - 1000) <= 10  # the mean crosses halfway at the drop
+    fig = plots.plot_active({"run": recs}, smooth=20)
+    x, y = fig.axes[0].get_lines()[0].get_data()
+    assert abs(float(np.interp(30.0, y[::-1], x[::-1])) - 1000) <= 10
+    assert "20 records = 200 steps" in fig.axes[0].get_ylabel()

@@ -27,7 +27,9 @@ from twell.data.tokenizer import SMOLLM2, resolve_tokenizer
 from twell.model.config import dataclass_from_dict
 from twell.paths import cache_dir
 
-FORMAT_VERSION = 1
+# 2: special-token strings inside a document are encoded as text (format 1 turned a document's literal
+# "<|endoftext|>" into a document break).
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -42,7 +44,7 @@ class DataConfig:
     split_seed: int = 0
     text_field: str = "text"
     max_docs: int | None = None
-    max_tokens: int | None = None  # stop tokenising after this many training tokens (streaming sources)
+    max_tokens: int | None = None  # stop at the document that brings the training tokens to this many (streaming sources)
     tokenizer_train_chars: int = 200_000_000
     hub_config: str | None = "sample-10BT"
     hub_split: str = "train"
@@ -130,9 +132,19 @@ def _is_val(doc_id: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2.0**64 < fraction
 
 
+def _tokenizer_identity(spec: str) -> str:
+    """data.tokenizer for the key: a saved tokenizer directory by its content, so that a tokenizer
+    replaced in place prepares the data again (hub / train / auto stand for themselves)."""
+    path = Path(spec).expanduser()
+    if spec in ("hub", "train", "auto") or not (path / "tokenizer.json").is_file():
+        return spec
+    return f"{spec}@sha256:{hashlib.sha256((path / 'tokenizer.json').read_bytes()).hexdigest()[:16]}"
+
+
 def _key(cfg: DataConfig, source: Source, vocab_size: int) -> str:
     material = {
-        "v": FORMAT_VERSION, "source": source.identity(), "tokenizer": cfg.tokenizer, "hub_tokenizer": cfg.hub_tokenizer,
+        "v": FORMAT_VERSION, "source": source.identity(), "tokenizer": _tokenizer_identity(cfg.tokenizer),
+        "hub_tokenizer": cfg.hub_tokenizer,
         "vocab_size": vocab_size, "val_fraction": cfg.val_fraction, "split_seed": cfg.split_seed,
         "text_field": cfg.text_field, "max_docs": cfg.max_docs, "max_tokens": cfg.max_tokens,
         "tokenizer_train_chars": cfg.tokenizer_train_chars, "hub_split": cfg.hub_split,
@@ -209,6 +221,10 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
     tok, choice = resolve_tokenizer(cfg.tokenizer, hub_name=cfg.hub_tokenizer, vocab_size=vocab,
                                     train_texts=train_texts, trained_on=source.label, allow_network=cfg.allow_network)
     backend = tok.backend_tokenizer
+    # A document that quotes a special token ("<|endoftext|>", "</s>") keeps it as text: the only EOS
+    # in the stream is the one appended after each document.
+    special_as_text = backend.encode_special_tokens
+    backend.encode_special_tokens = True  # restored before the tokenizer is saved
     eos = choice.eos_token_id
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -220,9 +236,12 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
     try:
         batch: list[tuple[str, str]] = []
 
-        def flush():
+        def flush() -> bool:
+            """Write the batch's documents in order; False once data.max_tokens training tokens are
+            written (the documents after that one are dropped)."""
             nonlocal max_id
             encs = backend.encode_batch([t for _, t in batch], add_special_tokens=False)
+            more = True
             for (doc_id, _), enc in zip(batch, encs):
                 split = "val" if _is_val(doc_id, cfg.split_seed, cfg.val_fraction) else "train"
                 ids = np.asarray(enc.ids + [eos], dtype=np.int64)
@@ -230,24 +249,28 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
                 files[split].write(ids.astype(dtype).tobytes())
                 counts[split][0] += len(ids)
                 counts[split][1] += 1
+                bar.update(1)
+                if cfg.max_tokens is not None and counts["train"][0] >= cfg.max_tokens:
+                    more = False
+                    break
             batch.clear()
+            return more
 
         bar = tqdm(desc=f"tokenising {source.label[:40]}", unit="doc", disable=not progress)
+        more = True
         for doc in docs():
             batch.append(doc)
             if len(batch) >= 256:
-                flush()
-                bar.update(256)
-                if cfg.max_tokens is not None and counts["train"][0] >= cfg.max_tokens:
+                more = flush()
+                if not more:
                     break
-        n_last = len(batch)
-        if batch:
+        if batch and more:
             flush()
-        bar.update(n_last)
         bar.close()
     finally:
         for f in files.values():
             f.close()
+        backend.encode_special_tokens = special_as_text
     for split, (n_tok, n_doc) in counts.items():
         if n_doc == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,17 @@ def _resolve_dir(path_or_hub_id: str | Path, allow_network: bool | None) -> Path
     s = str(path_or_hub_id)
     if p.exists() or s.startswith((".", "/", "~")) or s.count("/") != 1:
         raise FileNotFoundError(f"expected a checkpoint directory or a hub id 'owner/name', got {s!r} (no such directory)")
+    owner = s.split("/")[0]
+    if Path(owner).is_dir():  # "runs/final" with ./runs present: a missing local checkpoint, not a hub id
+        raise FileNotFoundError(f"no checkpoint directory {s!r} (relative to {Path.cwd()}); not tried as a hub id "
+                                f"because ./{owner} is a local folder (pass an absolute path or fix the name)")
     from huggingface_hub import snapshot_download
 
     from twell.data.network import network_allowed
 
-    online = network_allowed(True if allow_network is None else allow_network)
+    # An explicit hub id may download by default; TWELL_ALLOW_NETWORK, when set, decides as everywhere else.
+    env_says = os.environ.get("TWELL_ALLOW_NETWORK", "").strip() != ""
+    online = network_allowed(allow_network if allow_network is not None or env_says else True)
     small = ["*.json", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
     try:
         local = Path(snapshot_download(s, local_files_only=not online, allow_patterns=small + ["*.safetensors"]))
@@ -148,7 +155,9 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     ``ffn_path`` sets their inference path; SiLU: dense). ``tokenizer`` is None when the
     checkpoint ships none. ``model.config.twell_tokenizer`` records which tokenizer the model
     was trained with (or, for foreign checkpoints, where the tokenizer came from).
-    A hub id is downloaded unless an HF_*_OFFLINE variable is set or ``allow_network=False``.
+    A hub id is downloaded unless an HF_*_OFFLINE variable is set, ``allow_network=False``, or
+    ``TWELL_ALLOW_NETWORK`` is set to a false value (0, off, ...). A missing path whose first part is a
+    local folder ("runs/final" beside ./runs) is reported as missing, never looked up on the hub.
     """
     ckpt = _resolve_dir(path_or_hub_id, allow_network)
     cfg_path = ckpt / "config.json"

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import yaml
 
 from twell.data.loader import TokenBlocks, TrainOrder, val_shards
-from twell.data.prepare import PreparedData, prepare_data
+from twell.data.prepare import FORMAT_VERSION, PreparedData, prepare_data
 from twell.model import build_model, count_parameters, save_pretrained, set_tracking, sparse_ffns
 from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
@@ -217,7 +217,8 @@ class Trainer:
                  for k, a, b in _config_diffs(state["config"], self.cfg.to_dict(), {"data": None})]
         cause = ("changed data settings: " + "; ".join(diffs) if diffs else
                  "no data setting changed, so the source itself did (its files, or the prepared folder given as "
-                 "data.source); what changed is unknown")
+                 "data.source), or the tokenizer directory data.tokenizer names, or twell's prepared-data format "
+                 f"(now format {FORMAT_VERSION}, see FORMAT_VERSION in twell/data/prepare.py); which one is unknown")
         raise ValueError(f"cannot resume: the prepared data changed: the checkpoint was trained on data key {saved}, "
                          f"the data now loaded ({self.data.dir}) has key {now}; {cause}. Restore the data the run "
                          "started with, or start a new run (--overwrite or another --out)")

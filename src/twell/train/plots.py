@@ -31,11 +31,30 @@ def _finish(fig, title: str | None):
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over ``window`` records (fewer at the start)."""
     if window <= 1 or len(y) < window:
         return y
     kernel = np.ones(window) / window
     head = np.cumsum(y[: window - 1]) / np.arange(1, window)
     return np.concatenate([head, np.convolve(y, kernel, mode="valid")])
+
+
+def _smoothed(steps: np.ndarray, y: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of a moving mean over ``window`` logged records, each mean drawn at the mean step of its
+    window: a trailing mean drawn at the window's last step would show every change late."""
+    return _smooth(steps.astype(float), window), _smooth(y, window)
+
+
+def _window_text(runs: dict[str, dict[str, list[dict]]], window: int) -> str:
+    """How many steps ``window`` logged records span (records are logged every log_every steps)."""
+    gaps = [int(np.median(np.diff([r["step"] for r in recs["train"]])))
+            for recs in runs.values() if len(recs.get("train", [])) > 1]
+    if window <= 1:
+        return "not smoothed"
+    if not gaps or min(gaps) == max(gaps) == 1:
+        return f"moving mean, {window} steps"
+    span = f"{window * gaps[0]}" if min(gaps) == max(gaps) else f"{window * min(gaps)}-{window * max(gaps)}"
+    return f"moving mean, {window} records = {span} steps"
 
 
 def plot_loss(runs: Runs, smooth: int = 20, title: str | None = None):
@@ -48,13 +67,13 @@ def plot_loss(runs: Runs, smooth: int = 20, title: str | None = None):
         c = f"C{i}"
         tr = recs.get("train", [])
         if tr:
-            s = np.array([r["step"] for r in tr])
-            axes[0].plot(s, _smooth(np.array([r["ce"] for r in tr]), smooth), color=c, label=label)
+            x, y = _smoothed(np.array([r["step"] for r in tr]), np.array([r["ce"] for r in tr]), smooth)
+            axes[0].plot(x, y, color=c, label=label)
         va = recs.get("val", [])
         if va:
             axes[1].plot([r["step"] for r in va], [r["val_ce"] for r in va], "o-", color=c, ms=3, label=label)
-    axes[0].set(xlabel="step", ylabel=f"train cross-entropy (moving mean, {smooth} steps)")
-    axes[1].set(xlabel="step", ylabel="validation cross-entropy (held-out documents)")
+    axes[0].set(xlabel="step", ylabel=f"train cross-entropy\n({_window_text(data, smooth)})")
+    axes[1].set(xlabel="step", ylabel="validation cross-entropy\n(held-out documents)")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -78,15 +97,18 @@ def _layer_panels(runs: Runs, key: str, height: float):
 
 def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
     """Active neurons per token (% of the FFN width when ``widths`` gives it), per layer, against step
-    (moving mean over ``smooth`` logged steps)."""
+    (moving mean over ``smooth`` logged records, drawn at the mean step of each window)."""
     fig, axes, panels = _layer_panels(runs, "active_mean", 3.8)
+    window = _window_text(_records(runs), smooth)
     for ax, label, s, act in panels:
         scale = 100.0 / widths[label] if widths and label in widths else 1.0
         for layer in range(act.shape[1]):
-            ax.plot(s, _smooth(act[:, layer], smooth) * scale, lw=1, label=f"layer {layer}")
-        ax.plot(s, _smooth(act.mean(1), smooth) * scale, "k--", lw=1.5, label="mean")
+            x, y = _smoothed(s, act[:, layer], smooth)
+            ax.plot(x, y * scale, lw=1, label=f"layer {layer}")
+        x, y = _smoothed(s, act.mean(1), smooth)
+        ax.plot(x, y * scale, "k--", lw=1.5, label="mean")
         ax.set(title=label, xlabel="step", yscale="log",
-               ylabel="active neurons per token" + (" (% of width)" if scale != 1.0 else ""))
+               ylabel="active neurons per token" + (" (% of width)" if scale != 1.0 else "") + f"\n({window})")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7, ncol=2)
     return _finish(fig, title)
