@@ -276,3 +276,19 @@ def test_val_shards_equal_on_every_rank():
     with pytest.raises(ValueError, match="validation split"):
         list(val_shards(TokenBlocks(np.arange(50, dtype=np.uint16), 10), max_tokens=None, rank=0, world=2,
                         micro_batch=4))
+
+
+def test_prepare_keeps_a_copy_another_process_finished_first(corpus, tmp_path, monkeypatch):
+    """Two runs preparing the same data at once (train_small_gpu.sh both): the one that finishes second
+    keeps the first one's folder, which the first may already be reading, instead of replacing it."""
+    import twell.data.prepare as prep
+
+    d, _ = corpus
+    cfg = DataConfig(source=str(d / "docs.jsonl"), vocab_size=320, val_fraction=0.2)
+    target = tmp_path / "p"
+    first = prepare_data(cfg, out_dir=target, progress=False)
+    ino = first.train_path.stat().st_ino
+    source = prep.resolve_source(cfg.source)
+    again = prep._prepare(cfg, source, 320, first.meta["key"], target, progress=False)  # the slower peer
+    assert again.dir == target and again.train_path.stat().st_ino == ino
+    assert not list(tmp_path.glob(".p.*.tmp"))

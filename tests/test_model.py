@@ -317,3 +317,15 @@ def test_auto_activity_rule_on_a_twell():
     quiet = reference.twell_gate(torch.zeros(32, 64, dtype=bf), torch.randn(512, 64, dtype=bf))  # none active
     ffn._measure_activity(quiet)
     assert ffn._auto_dense is False and ffn.auto_note is None
+
+
+def test_checkpoint_without_tokenizer_files_names_its_hub_tokenizer(tmp_path, monkeypatch):
+    """A checkpoint trained with a hub tokenizer that ships no tokenizer files, loaded offline: the
+    error names the checkpoint and what to do there (not the data-preparation advice)."""
+    model = build_model(_random_cfg()).eval()
+    save_pretrained(model, None, tmp_path / "ck", tokenizer_choice={"kind": "hub", "name": "twell-tests/no-such-tok"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match=r"ships no tokenizer files .* 'twell-tests/no-such-tok'.*load_tokenizer=False"):
+        load_pretrained(tmp_path / "ck", ffn_path="dense")
+    loaded, tok = load_pretrained(tmp_path / "ck", ffn_path="dense", load_tokenizer=False)
+    assert tok is None and loaded.config.twell_tokenizer["name"] == "twell-tests/no-such-tok"

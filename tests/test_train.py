@@ -290,3 +290,17 @@ def test_training_plots_centre_their_moving_mean_and_name_its_span():
     x, y = fig.axes[0].get_lines()[0].get_data()
     assert abs(float(np.interp(30.0, y[::-1], x[::-1])) - 1000) <= 10
     assert "20 records = 200 steps" in fig.axes[0].get_ylabel()
+
+
+def test_read_metrics_skips_a_half_written_last_line(tmp_path):
+    """A run that is still writing (or was killed mid-line) leaves a last line without its newline:
+    the records before it are read, with a warning. A bad line elsewhere still raises, by line."""
+    from twell.train import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "ce": 5.0}\n{"kind": "train", "step": 2, "ce": 4.9}\n{"kind": "tr')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:3: incomplete last line"):
+        assert [r["step"] for r in read_metrics(path)["train"]] == [1, 2]
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "tr\n{"kind": "train", "step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+        read_metrics(path)

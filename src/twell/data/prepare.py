@@ -295,6 +295,14 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if (target / "meta.json").is_file():  # another process prepared the same data meanwhile: keep its copy
+        try:
+            other = PreparedData.load(target)
+        except Exception:
+            other = None
+        if other is not None and other.meta.get("key") == key:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return other
     if target.exists():
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)

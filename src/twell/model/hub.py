@@ -243,6 +243,12 @@ def _load_tokenizer(ckpt: Path, raw: dict[str, Any], allow_network: bool | None)
     if choice.get("kind") == "hub" and choice.get("name"):
         from twell.data.tokenizer import load_hub_tokenizer
 
-        return load_hub_tokenizer(choice["name"], allow_network=allow_network)
+        try:
+            return load_hub_tokenizer(choice["name"], allow_network=allow_network)
+        except RuntimeError as exc:  # its advice (data.tokenizer=train) is for preparing data, not loading
+            raise RuntimeError(f"{ckpt} ships no tokenizer files and was trained with the hub tokenizer "
+                               f"{choice['name']!r}, which is not in the local Hugging Face cache: allow the "
+                               "network (allow_network=True or TWELL_ALLOW_NETWORK=1, HF_*_OFFLINE unset), copy "
+                               "the tokenizer files into the checkpoint, or pass load_tokenizer=False") from exc
     warnings.warn(f"{ckpt} ships no tokenizer files; returning tokenizer=None", stacklevel=3)
     return None

@@ -81,6 +81,6 @@ def read_metrics(path: str | Path) -> dict[str, list[dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
     out: dict[str, list[dict]] = {}
-    for _, rec in iter_jsonl(path):
+    for _, rec in iter_jsonl(path, partial_last_ok=True):  # a run may be writing it right now
         out.setdefault(rec.get("kind", "train"), []).append(rec)
     return out
