@@ -305,10 +305,23 @@ def test_protocol_deviations_and_report_banner(tmp_path):
         "energy not measured", "peak memory not measured"]
     got = bench_ffn.protocol_deviations({**full, "reps": 10, "flush_l2": False, "energy_seconds": 0.5})
     assert len(got) == 3 and "10 reps" in got[0] and "L2" in got[1] and "0.5 s" in got[2]
+    # A looser tolerance, other shapes on a GPU, and energy asked for but unavailable are deviations too.
+    assert bench_ffn.protocol_deviations({**full, "tol": 0.1}) == ["tolerance 0.1 (protocol: 0.01)"]
+    gpu = {**full, "device": "cuda", "shapes": "inference", "D": 2048, "H": 5632, "Ms": [8192, 65536]}
+    assert bench_ffn.protocol_deviations(gpu) == []
+    assert bench_ffn.protocol_deviations({**gpu, "D": 128, "Ms": [256]}) == [
+        "D x H = 128 x 5632 (protocol: 2048 x 5632)", "no M = 65536 (the protocol's inference shape)"]
+    assert bench_ffn.protocol_deviations({**gpu, "device": "cpu", "D": 128}) == []  # CPU runs say so elsewhere
+    assert bench_ffn.run_deviations({"config": gpu, "energy_note": "no NVML"}) == ["energy not measured (no NVML)"]
     cfg = _tiny_cfg(tmp_path, impls=("masked",), cases=("nnz8",))
     result = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False).run()
     assert result["meta"]["protocol_deviations"] == ["median of 3 reps (protocol: at least 30)",
                                                      "energy not measured"]
+    cfg = _tiny_cfg(tmp_path, impls=("masked",), cases=("nnz8",), energy=True, tol=0.05)
+    runner = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False)
+    runner.meter, runner.energy_note = None, "NVML has no energy counter here"  # as on a GPU without it
+    below = runner.run()["meta"]["protocol_deviations"]
+    assert "tolerance 0.05 (protocol: 0.01)" in below and "energy not measured (NVML has no energy counter here)" in below
     assert isinstance(result["meta"]["twell_env"], dict)
     result["meta"]["device"] = "cuda:0"  # the banner is for GPU runs (CPU runs carry their own note)
     assert "BELOW THE BENCHMARK.md PROTOCOL: median of 3 reps" in bench_ffn.markdown_report(result)
@@ -400,3 +413,14 @@ def test_gate_activity_on_random_inputs_matches_a_direct_count():
         m = M // b * b
         unions = sum(int(act[i:i + b].any(0).sum()) for i in range(0, m, b))
         assert stats["reuse"][b] == pytest.approx(act[:m].sum().item() / unions, abs=1e-3)
+
+
+def test_config_refuses_cases_denser_than_H_and_poison_needs_the_whole_output(tmp_path):
+    with pytest.raises(ValueError, match=r"cases \['nnz64'\] ask for at least as many active neurons as H=48"):
+        bench_ffn.BenchRunner(_tiny_cfg(tmp_path, H=48, cases=("nnz8", "nnz64")), progress=False)
+    # An output that starts inside a poisoned block but runs past its end was not all poisoned.
+    buf = torch.zeros(64, dtype=torch.uint8)
+    poison = bench_ffn.Poison(torch.device("cpu"), 0)
+    poison.ranges = [(buf.data_ptr(), buf.data_ptr() + 32)]
+    assert poison.hit(buf[:32]) and poison.hit(buf[8:24])
+    assert not poison.hit(buf[16:48]) and not poison.hit(buf[40:])

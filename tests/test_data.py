@@ -292,3 +292,14 @@ def test_prepare_keeps_a_copy_another_process_finished_first(corpus, tmp_path, m
     again = prep._prepare(cfg, source, 320, first.meta["key"], target, progress=False)  # the slower peer
     assert again.dir == target and again.train_path.stat().st_ino == ino
     assert not list(tmp_path.glob(".p.*.tmp"))
+
+
+def test_cache_dir_reads_twell_cache_like_the_other_paths(tmp_path, monkeypatch):
+    """TWELL_CACHE: ~ expanded; empty means the default (data/cache), not the current directory."""
+    from twell.paths import cache_dir, repo_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TWELL_CACHE", "~/cache")
+    assert cache_dir("tok", create=False) == tmp_path / "cache" / "tok"
+    monkeypatch.setenv("TWELL_CACHE", "")
+    assert cache_dir("tok", create=False) == repo_root() / "data" / "cache" / "tok"

@@ -67,6 +67,13 @@ def test_parse_overrides_types_and_errors():
     for bad in ("00M=3", "00:M", "00:=3", "99:M=3"):
         with pytest.raises(pl.PipelineError):
             pl.parse_overrides([bad])
+    # Errors of the pipeline (exit 2), not tracebacks; the pipeline's own parameters are not --set.
+    for bad, why in (("00,01:M=512", "one notebook per --set"), ("00:tiles=[64, 128", "not valid YAML"),
+                     ("00:M=", "no value"), ("00:reports_dir=/tmp/x", "use --reports-dir"),
+                     ("00:profile=gpu-full", "use --profile")):
+        with pytest.raises(pl.PipelineError, match=why):
+            pl.parse_overrides([bad])
+    assert pl.parse_overrides(["00:M=null"]) == {"00_twell_format": {"M": None}}
 
 
 def test_load_profile_errors_name_the_file(tmp_path):
@@ -97,6 +104,8 @@ def test_plan_checks_everything_before_running(tmp_path):
         pl.plan("cpu-smoke", ["00_twell_format", "01_kernels"], paths)
     with pytest.raises(pl.PipelineError, match=r"\['typo'\].*not defined in the parameters cell"):
         pl.plan("cpu-smoke", ["00_twell_format"], paths, {"00": {"typo": 1}})
+    with pytest.raises(pl.PipelineError, match=r"\['reports_dir'\] cannot be overridden"):
+        pl.plan("cpu-smoke", ["00_twell_format"], paths, {"00": {"reports_dir": "/elsewhere"}})
     with pytest.raises(pl.PipelineError, match="not selected"):
         pl.plan("cpu-smoke", ["00_twell_format"], paths, {"02": {"n": 1}})
     _write_notebook(tmp_path, "01_kernels", ["pass"], params=None)

@@ -68,7 +68,8 @@ def shared_data_dir() -> Path | None:
 
 def cache_dir(*parts: str, create: bool = True) -> Path:
     """``data/cache/<parts...>`` (git-ignored) for generated token files and tokenizers."""
-    root = Path(os.environ.get("TWELL_CACHE", repo_root() / "data" / "cache"))
+    env = os.environ.get("TWELL_CACHE", "").strip()  # empty: the default, as for the other TWELL_ paths
+    root = Path(env).expanduser() if env else repo_root() / "data" / "cache"
     path = root.joinpath(*parts)
     if create:
         path.mkdir(parents=True, exist_ok=True)

@@ -147,8 +147,19 @@ def parse_overrides(items: Sequence[str] | None) -> dict[str, dict[str, Any]]:
         key, eq, raw = rest.partition("=")
         if not sep or not eq or not key.strip():
             raise PipelineError(f"bad --set {item!r}; expected NOTEBOOK:KEY=VALUE, e.g. 00:M=512")
-        (name,) = select_notebooks(nb)
-        out.setdefault(name, {})[key.strip()] = _yaml(raw)
+        names = select_notebooks(nb)
+        if len(names) != 1:
+            raise PipelineError(f"bad --set {item!r}: one notebook per --set (got {', '.join(names)})")
+        if key.strip() in COMMON_PARAMETERS:
+            raise PipelineError(f"bad --set {item!r}: {key.strip()!r} is set by the pipeline; use "
+                                f"--{key.strip().replace('_', '-')} instead")
+        if not raw.strip():
+            raise PipelineError(f"bad --set {item!r}: no value (write null for None)")
+        try:
+            value = _yaml(raw)
+        except yaml.YAMLError as exc:
+            raise PipelineError(f"bad --set {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]})") from None
+        out.setdefault(names[0], {})[key.strip()] = value
     return out
 
 
@@ -210,6 +221,9 @@ def plan(
         if not source.is_file():
             raise PipelineError(f"notebook {name} not found: expected {source}")
         params = load_profile(paths.configs, name, profile)
+        given = sorted(set(overrides.get(name, {})) & set(COMMON_PARAMETERS))
+        if given:  # the pipeline sets these itself (below): an override would be silently replaced
+            raise PipelineError(f"{name}: {given} cannot be overridden; use --profile / --reports-dir")
         params.update(overrides.get(name, {}))
         declared = notebook_parameters(source)
         unknown = sorted(set(params) - declared - set(COMMON_PARAMETERS))

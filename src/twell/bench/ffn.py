@@ -135,10 +135,25 @@ PROTOCOL_MIN_REPS = 30
 PROTOCOL_MIN_ENERGY_SECONDS = 2.0
 
 
-def protocol_deviations(config: dict) -> list[str]:
+PROTOCOL_TOL = 1e-2
+PROTOCOL_D, PROTOCOL_H, PROTOCOL_M = 2048, 5632, 65536
+
+
+def protocol_deviations(config: dict, energy_note: str | None = None) -> list[str]:
     """Where a run's settings (``meta["config"]`` of its JSON, or ``dataclasses.asdict(cfg)``) fall
-    short of BENCHMARK.md; empty when they meet it."""
+    short of BENCHMARK.md; empty when they meet it. ``energy_note``: why energy was not measured
+    although asked for (the JSON's ``meta["energy_note"]``; see :func:`run_deviations`)."""
     out = []
+    tol = config.get("tol")
+    if tol is not None and tol > PROTOCOL_TOL:
+        out.append(f"tolerance {tol:g} (protocol: {PROTOCOL_TOL:g})")
+    if str(config.get("device", "")).startswith("cuda"):  # CPU runs are never protocol runs anyway
+        D, H = config.get("D"), config.get("H")
+        if (D is not None and D != PROTOCOL_D) or (H is not None and H != PROTOCOL_H):
+            out.append(f"D x H = {D} x {H} (protocol: {PROTOCOL_D} x {PROTOCOL_H})")
+        Ms = config.get("Ms")
+        if config.get("shapes") in ("inference", "all") and Ms is not None and PROTOCOL_M not in Ms:
+            out.append(f"no M = {PROTOCOL_M} (the protocol's inference shape)")
     reps = config.get("reps")
     if reps is not None and reps < PROTOCOL_MIN_REPS:
         out.append(f"median of {reps} reps (protocol: at least {PROTOCOL_MIN_REPS})")
@@ -149,11 +164,18 @@ def protocol_deviations(config: dict) -> list[str]:
     secs = config.get("energy_seconds")
     if config.get("energy") is False:
         out.append("energy not measured")
+    elif energy_note and energy_note != "disabled":
+        out.append(f"energy not measured ({energy_note})")
     elif secs is not None and secs < PROTOCOL_MIN_ENERGY_SECONDS:
         out.append(f"energy loops of {secs:g} s (protocol: at least {PROTOCOL_MIN_ENERGY_SECONDS:g} s)")
     if config.get("memory") is False:
         out.append("peak memory not measured")
     return out
+
+
+def run_deviations(meta: dict) -> list[str]:
+    """protocol_deviations of a result's ``meta``: its settings, and energy asked for but unavailable."""
+    return protocol_deviations(meta.get("config", {}), meta.get("energy_note"))
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -170,6 +192,10 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError("shapes 'real' needs a checkpoint and tokens (--checkpoint, --tokens)")
     if cfg.real_M is not None and cfg.real_M < 1:
         raise ValueError(f"real_M must be >= 1, got {cfg.real_M}")
+    for which, H in (("H", cfg.H), ("odd_H", cfg.odd_H)):  # the generator bisects for nnz active of H
+        too_dense = [c for c in cfg.cases if H is not None and SPARSITY[c][0] >= H]
+        if too_dense:
+            raise ValueError(f"cases {too_dense} ask for at least as many active neurons as {which}={H}")
 
 
 def build_cases(cfg: BenchConfig, captured: CapturedInputs | None = None) -> list[Case]:
@@ -257,8 +283,8 @@ class Poison:
     def hit(self, out: torch.Tensor) -> bool | None:
         if not self.ranges:
             return None
-        p = out.data_ptr()
-        return any(lo <= p < hi for lo, hi in self.ranges)
+        p, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        return any(lo <= p and end <= hi for lo, hi in self.ranges)  # all of it, not just its start
 
 
 def _nonfinite(t: torch.Tensor) -> int:
@@ -518,7 +544,7 @@ class BenchRunner:
         cfg["out"] = str(cfg["out"]) if cfg["out"] is not None else None
         cfg["checkpoint"] = str(cfg["checkpoint"]) if cfg["checkpoint"] is not None else None
         cfg["tokens"] = str(cfg["tokens"]) if cfg["tokens"] is not None else None
-        below = protocol_deviations(cfg)
+        below = protocol_deviations(cfg, self.energy_note)
         meta = {
             "timestamp": started,
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -80,14 +80,16 @@ def time_alternating(fns: dict[str, Callable[[], object]], device: torch.device 
     _sync(device)
     if device.type == "cuda":
         events = {n: [] for n in names}
-        for _ in range(reps):
-            for name in names:
-                flush()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fns[name]()
-                end.record()
-                events[name].append((start, end))
+        # Events record on the current device's stream: make it the benchmark's device (cuda:1, ...).
+        with torch.cuda.device(device):
+            for _ in range(reps):
+                for name in names:
+                    flush()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fns[name]()
+                    end.record()
+                    events[name].append((start, end))
         torch.cuda.synchronize(device)
         return {n: Timing.from_samples([s.elapsed_time(e) for s, e in events[n]], "cuda-events") for n in names}
     samples = {n: [] for n in names}

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from twell.bench.ffn import Poison, protocol_deviations
+from twell.bench.ffn import Poison, run_deviations
 from twell.bench.generator import calibrated_ffn_inputs, sparsity_stats
 from twell import paths
 
@@ -210,7 +210,7 @@ class BenchRun:
         """Where and when the numbers were measured (loud when not in this run); ``sep="\n"``: two lines."""
         name = self.path.name if self.path is not None else "not saved"
         partial = "" if self.result.get("complete", True) else " (PARTIAL: the run did not finish)"
-        below = protocol_deviations(self.result["meta"].get("config", {}))
+        below = run_deviations(self.result["meta"])
         if below:
             partial += " (BELOW THE BENCHMARK.md PROTOCOL: " + "; ".join(below) + ")"
         if self.this_run:
@@ -277,7 +277,7 @@ def find_bench_json(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") -> 
                 continue
             if not any(r["case"]["kind"] in ("inference", "odd") for r in result["cases"]):
                 continue
-            if protocol_deviations(result["meta"].get("config", {})):
+            if run_deviations(result["meta"]):
                 continue
             key = (_timestamp(result), path.name)
             if best_key is None or key > best_key:

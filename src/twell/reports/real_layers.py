@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from twell.bench.ffn import device_slug, protocol_deviations
+from twell.bench.ffn import device_slug, run_deviations
 from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, WRONG_LABEL, load_bench, plot_wrong
 
 COLUMNS = ["run", "measured at", "device", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
@@ -52,7 +52,7 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
             except (ValueError, OSError):
                 continue
             meta = result["meta"]
-            if protocol_deviations(meta.get("config", {})) or not result.get("complete", True):
+            if run_deviations(meta) or not result.get("complete", True):
                 continue
             seen.add(path.name)
             # The file's stem less "ffn-" and the device (write_outputs names files ffn-<device>-<stamp>-<tag>).
