@@ -89,7 +89,8 @@ def test_evaluate_checkpoints_fixture_fallback_is_loud(tmp_path, fixture_dir, ch
         runs = evaluate_checkpoints(ckpts, tasks=["piqa", "winogrande"], data_dir=fixture_dir, offline=True,
                                     fixture_if_missing=True, limit=2, dtype="float32")
     assert "!!!" in capsys.readouterr().out
-    assert not runs["dense"].fixture and runs["sparse"].fixture and runs["sparse"].loader == "fixture"
+    # Both are FIXTURES: the stand-in for the missing one, and the checkpoint on disk (FIXTURE_README.txt).
+    assert runs["dense"].fixture and runs["sparse"].fixture and runs["sparse"].loader == "fixture"
     assert runs["dense"].source == str(checkpoint.resolve())
     assert all(r.tasks["piqa"].n == 2 for r in runs.values())
     assert json.loads(json.dumps(runs["dense"].to_dict(), default=str))["tasks"]["winogrande"]["status"] == "ok"
@@ -110,3 +111,37 @@ def test_cuda_device_without_cuda_is_an_error(checkpoint):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         load_checkpoint(checkpoint, device="cuda", offline=True)
+
+
+def test_fp32_checkpoint_on_auto_runs_dense_loudly_and_sparse_paths_need_bf16(checkpoint, fixture_dir):
+    """An fp32 model on "auto" runs its SparseFFNs dense (no sparse path takes fp32): the evaluation
+    finishes, records it and warns, instead of raising after the whole run. "reference" / "kernel"
+    on fp32 are refused at load; the path check refuses an "auto" that ran nothing sparse."""
+    from twell.eval.compare import check_checkpoint_paths
+
+    with pytest.warns(UserWarning, match="ran every SparseFFN dense"):
+        runs = evaluate_checkpoints({"sparse": str(checkpoint)}, tasks=["piqa"], data_dir=fixture_dir, offline=True,
+                                    limit=2, dtype="float32")
+    assert runs["sparse"].ffn_paths_observed == {"dense": 2} and runs["sparse"].tasks["piqa"].status == "ok"
+    assert any("ran every SparseFFN dense" in n for n in runs["sparse"].notes)
+    with pytest.raises(ValueError, match="'reference' needs a bfloat16 model, this one is float32"):
+        load_checkpoint(checkpoint, ffn_path="reference", dtype="float32", offline=True)
+    with pytest.raises(RuntimeError, match="ran no SparseFFN sparse"):
+        check_checkpoint_paths("sparse", str(checkpoint), paths=("dense", "auto"), tasks=["piqa"], limit=2,
+                               data_dir=fixture_dir, dtype="float32", offline=True)
+    check = check_checkpoint_paths("sparse", str(checkpoint), paths=("dense", "reference"), tasks=["piqa"], limit=2,
+                                   data_dir=fixture_dir, dtype="bfloat16", offline=True)
+    assert check.fixture and check.fixture_data and "FIXTURE model and data" in check.summary()
+    assert check.to_frame()["fixture"].iloc[0].startswith("FIXTURE")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
+def test_limit_must_be_a_count_or_a_fraction(checkpoint, fixture_dir, bad):
+    from twell.eval.compare import compare_paths
+    from twell.eval.harness import evaluate_model
+
+    lm = load_checkpoint(checkpoint, ffn_path="dense", dtype="bfloat16", offline=True)
+    with pytest.raises(ValueError, match="limit must be None, a whole number"):
+        evaluate_model(lm.model, lm.tokenizer, tasks=["piqa"], data_dir=fixture_dir, offline=True, limit=bad)
+    with pytest.raises(ValueError, match="limit must be None, a whole number"):
+        compare_paths(lm.model, lm.tokenizer, [("a", " b")], paths=("dense", "reference"), limit=bad)

@@ -8,6 +8,7 @@ same requests (``tol="auto"``), since TwELL stores activations in bf16.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -15,8 +16,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from twell.eval.harness import choose_batch_size
-from twell.eval.loading import check_ffn_path, set_ffn_path, sparse_ffn_modules
+from twell.eval.harness import check_limit, choose_batch_size
+from twell.eval.loading import SPARSE_LAST_PATHS, check_ffn_path, set_ffn_path, sparse_ffn_modules
 from twell.eval.offline import resolve_offline
 from twell.eval.tasks import AUTO, build_tasks, resolve_task_sources
 
@@ -42,6 +43,13 @@ class PathComparison:
     n_docs: int | None = None
     observed_paths: dict[str, dict[str, int]] = field(default_factory=dict)
     loglikelihoods: dict[str, list[float]] = field(default_factory=dict)
+    fixture: bool = False  # a FIXTURE model was compared (check_checkpoint_paths fills it in)
+    fixture_data: bool = False  # on FIXTURE task files
+
+    @property
+    def fixture_note(self) -> str:
+        what = [w for w, on in (("model", self.fixture), ("data", self.fixture_data)) if on]
+        return f"FIXTURE {' and '.join(what)} (smoke run, not a result)" if what else ""
 
     def to_frame(self):
         """One-row DataFrame of the comparison (no per-request values)."""
@@ -54,15 +62,20 @@ class PathComparison:
             "docs": self.n_docs, "max_abs_diff": self.max_abs_diff, "mean_abs_diff": self.mean_abs_diff,
             "error_vs_fp32": self.error_vs_fp32, "bf16_floor": self.floor_max_abs_diff, "tol": self.tol,
             "same_answer": self.decision_agreement,
-            "passed": self.passed,
+            "passed": self.passed, "fixture": self.fixture_note,
         }])
 
     def summary(self) -> str:
         a, b = self.paths
         agree = "" if self.decision_agreement is None else f", same answer on {self.decision_agreement:.1%} of {self.n_docs} docs"
         verdict = "PASS" if self.passed else "FAIL"
+        verdict = f"{verdict} [{self.fixture_note}]" if self.fixture_note else verdict
         return (f"{verdict}: {a} vs {b} on {self.n_requests} requests: max |diff| {self.max_abs_diff:.3g} nats "
                 f"(mean {self.mean_abs_diff:.3g}, max rel {self.max_rel_diff:.3g}); check: {self.tol_rule}{agree}")
+
+
+def _count(limit, n: int) -> int:
+    return n if limit is None else int(math.ceil(n * limit)) if limit < 1 else int(limit)
 
 
 def _task_instances(tasks: Sequence[str], *, data_dir, data_files, limit, offline) -> list:
@@ -72,7 +85,8 @@ def _task_instances(tasks: Sequence[str], *, data_dir, data_files, limit, offlin
         raise ValueError(f"no data for any of the tasks {list(tasks)}: {built.skipped}")
     instances = []
     for task in built.tasks.values():
-        task.build_all_requests(limit=limit, rank=0, world_size=1)
+        # lm-eval's rule: a limit below 1 is a fraction of the documents
+        task.build_all_requests(limit=None if limit is None else _count(limit, len(task.eval_docs)), rank=0, world_size=1)
         instances += task.instances
     return instances
 
@@ -88,8 +102,8 @@ def _as_instances(requests: Any, *, data_dir, data_files, limit, offline) -> lis
     if all(isinstance(r, str) for r in requests):
         return _task_instances(requests, data_dir=data_dir, data_files=data_files, limit=limit, offline=offline)
     if all(isinstance(r, Instance) for r in requests):
-        return requests[:limit] if limit else requests
-    pairs = requests[:limit] if limit else requests
+        return requests[:_count(limit, len(requests))]
+    pairs = requests[:_count(limit, len(requests))]
     out = []
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
@@ -174,6 +188,7 @@ def compare_paths(
         raise ValueError(f"paths must be two different path names, got {paths!r}")
     if tol != "auto" and not (isinstance(tol, (int, float)) and tol >= 0):
         raise ValueError(f"tol must be a non-negative number or 'auto', got {tol!r}")
+    check_limit(limit)
     instances = _as_instances(requests, data_dir=data_dir, data_files=data_files, limit=limit,
                               offline=resolve_offline(offline))
     device = str(next(model.parameters()).device)
@@ -187,6 +202,10 @@ def compare_paths(
             setter(model, path)
             lls[path] = _loglikelihoods(model, tokenizer, instances, bs, softmax_dtype)
             observed[path] = check_ffn_path(model, path) if set_path is None else {}
+            if set_path is None and path != "dense" and not set(observed[path]) & SPARSE_LAST_PATHS:
+                # "auto" may run every layer dense (an fp32 model): the check would compare dense with dense.
+                raise RuntimeError(f"FFN path {path!r} ran no SparseFFN sparse ({observed[path]}), so there is no "
+                                   "sparse path to check; load the model in bfloat16 or name 'reference' / 'kernel'")
         floor = err = None
         if tol == "auto":
             # The STYLE.md rule: the second path's error against an fp32 reference (the first path run in fp32)
@@ -248,5 +267,8 @@ def check_checkpoint_paths(
         data_files = with_fixture_data(tasks, data_dir=data_dir, data_files=data_files)
     loaded = load_named(name, spec, ffn_path=paths[1], device=device, dtype=dtype,
                         fixture_if_missing=fixture_if_missing, offline=offline)
-    return compare_paths(loaded.model, loaded.tokenizer, tasks, paths=paths, limit=limit, data_dir=data_dir,
-                         data_files=data_files, offline=offline, tol=tol)
+    result = compare_paths(loaded.model, loaded.tokenizer, tasks, paths=paths, limit=limit, data_dir=data_dir,
+                           data_files=data_files, offline=offline, tol=tol)
+    result.fixture = loaded.fixture
+    result.fixture_data = any(src.fixture for src in resolve_task_sources(tasks, data_dir=data_dir, data_files=data_files))
+    return result

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
-from twell.eval.loading import (LoadedModel, check_ffn_path, fixture_model, forget_ffn_paths, load_checkpoint,
-                                observed_ffn_paths, set_ffn_path)
+from twell.eval.loading import (SPARSE_LAST_PATHS, LoadedModel, check_ffn_path, fixture_model, forget_ffn_paths,
+                                load_checkpoint, observed_ffn_paths, set_ffn_path)
 from twell.eval.offline import hf_offline, resolve_offline
 from twell.eval.tasks import AUTO, PAPER_TASKS, build_tasks, resolve_task_sources
 
@@ -89,6 +89,13 @@ class EvalRun:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def check_limit(limit) -> None:
+    """``limit``: None (everything), a count >= 1, or a fraction in (0, 1) as in lm-eval; else ValueError."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+                              or (limit >= 1 and limit != int(limit))):
+        raise ValueError(f"limit must be None, a whole number of documents >= 1, or a fraction in (0, 1); got {limit!r}")
+
+
 def choose_batch_size(batch_size: int | str, device: str) -> tuple[int | str, str]:
     """(batch size for HFLM, a sentence saying how it was chosen)."""
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -149,6 +156,7 @@ def evaluate_model(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    check_limit(limit)
     start = time.perf_counter()
     offline = resolve_offline(offline)
     sources = resolve_task_sources(tasks, data_dir=data_dir, data_files=data_files, num_fewshot=num_fewshot)
@@ -172,6 +180,10 @@ def evaluate_model(
             bs_note += f"; lm-eval chose {used}"
     # With every task skipped no forward ran: there is no path to check (the skipped tasks are the result).
     observed = check_ffn_path(model, ffn_path) if built.tasks else observed_ffn_paths(model)
+    if ffn_path == "auto" and observed and not set(observed) & SPARSE_LAST_PATHS:
+        notes = [*notes, f"FFN path 'auto' ran every SparseFFN dense ({observed}): no sparse path fits this model "
+                         f"({str(next(model.parameters()).dtype).replace('torch.', '')}; the sparse paths need bfloat16)"]
+        warnings.warn(f"{name}: {notes[-1]}", stacklevel=2)
 
     out: dict[str, TaskResult] = {}
     for src in sources:

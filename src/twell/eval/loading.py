@@ -26,13 +26,15 @@ from twell.model.hub import resolve_dtype
 
 LOADERS = ("auto", "twell", "transformers")
 FFN_PATHS = ("dense", "reference", "kernel", "auto")
-# SparseFFN.last_path values that each requested path may produce.
+# SparseFFN.last_path values that each requested path may produce. "auto" runs a layer dense where no
+# sparse path fits it (an fp32 model, a layer above SparseFFN.auto_max_active): the run records it.
 EXPECTED_LAST_PATHS = {
     "dense": {"dense"},
     "reference": {"twell-reference"},
     "kernel": {"twell-kernel"},
-    "auto": {"twell-reference", "twell-kernel"},
+    "auto": {"twell-reference", "twell-kernel", "dense"},
 }
+SPARSE_LAST_PATHS = {"twell-reference", "twell-kernel"}
 # eval's name for twell.model.sparse_ffns (compare.py and the tests use it).
 sparse_ffn_modules = sparse_ffns
 
@@ -82,6 +84,11 @@ def set_ffn_path(model: torch.nn.Module, path: str) -> None:
             raise ValueError(f"{type(model).__name__} has no twell SparseFFN modules, so FFN path {path!r} cannot run; "
                              "load it with twell.model.load_pretrained (loader='twell') or use path 'dense'")
         return
+    if path in ("reference", "kernel"):  # the TwELL paths take bf16 activations only
+        dtypes = {str(p.dtype).replace("torch.", "") for m in sparse_ffns(model) for p in m.parameters()}
+        if dtypes != {"bfloat16"}:
+            raise ValueError(f"FFN path {path!r} needs a bfloat16 model, this one is {', '.join(sorted(dtypes))}: "
+                             "load it with dtype='bfloat16'")
     set_project_ffn_path(model, path)
 
 
@@ -174,6 +181,9 @@ def load_checkpoint(
     if tokenizer is None:
         raise CheckpointLoadError(f"checkpoint {name!r} at {source} ships no tokenizer; lm-eval needs one")
     model = model.to(device).eval()
+    fixture = (Path(source) / "FIXTURE_README.txt").is_file() if local else False
+    if fixture:  # written by twell.eval.fixtures.save_fixture_checkpoint: a random model, not a result
+        notes.append("FIXTURE checkpoint (FIXTURE_README.txt): a tiny random model, its numbers are not results")
     requested: str | None = ffn_path
     if not sparse_ffns(model):
         if ffn_path in ("reference", "kernel"):
@@ -184,7 +194,7 @@ def load_checkpoint(
         requested = None if ffn_path == "auto" else "dense"
     else:
         set_ffn_path(model, ffn_path)
-    return LoadedModel(model, tokenizer, name, source, used, requested, notes=notes)
+    return LoadedModel(model, tokenizer, name, source, used, requested, fixture=fixture, notes=notes)
 
 
 def fixture_model(name: str = "fixture", *, ffn_path: str = "dense", device: str | None = None,
