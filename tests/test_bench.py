@@ -424,3 +424,5 @@ def test_config_refuses_cases_denser_than_H_and_poison_needs_the_whole_output(tm
     poison.ranges = [(buf.data_ptr(), buf.data_ptr() + 32)]
     assert poison.hit(buf[:32]) and poison.hit(buf[8:24])
     assert not poison.hit(buf[16:48]) and not poison.hit(buf[40:])
+    poison.ranges = [(buf.data_ptr() + 32, buf.data_ptr() + 64), (buf.data_ptr(), buf.data_ptr() + 32)]
+    assert poison.hit(buf[16:48])  # two poisoned blocks side by side: the allocator merges them

@@ -284,7 +284,15 @@ class Poison:
         if not self.ranges:
             return None
         p, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
-        return any(lo <= p and end <= hi for lo, hi in self.ranges)  # all of it, not just its start
+        # All of it, not just its start. Freed blocks that sit side by side merge in the allocator, so an
+        # output may straddle two of them: what counts is the union of the poisoned ranges.
+        merged: list[list[int]] = []
+        for lo, hi in sorted(self.ranges):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return any(lo <= p and end <= hi for lo, hi in merged)
 
 
 def _nonfinite(t: torch.Tensor) -> int:
