@@ -28,18 +28,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
 
-# Wheels carried in .whl/ (scripts/gpu_wheels.sh: lm-eval and its needs, absent from the GPU image).
-# PYTHONPATH comes before site-packages: the carried datasets/dill/multiprocess replace any image copy.
-if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "!!! installing .whl/ failed"
-fi
-# papermill and a Jupyter kernel (.whl-nb/, scripts/gpu_wheels.sh) for the notebook tests, installed into
-# the image's environment with pip resolving against it, so only what is missing is added.
-if compgen -G ".whl-nb/*.whl" >/dev/null && ! "$PY" -c "import papermill, ipykernel" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-cache-dir --find-links .whl-nb papermill ipykernel \
-        || echo "!!! installing .whl-nb/ failed"
-fi
+# Carried wheels (.whl/: lm-eval; .whl-nb/: papermill for the notebook tests); a failed install shows
+# up as failing or skipped tests.
+source scripts/gpu_deps.sh
+install_carried_wheels || true
 
 declare -a NAMES=() RESULTS=()
 FAILED=0

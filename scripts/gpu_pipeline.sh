@@ -24,21 +24,11 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
-# lm-eval and its needs, as scripts/gpu_check.sh installs them.
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "!!! installing .whl/ failed"
-fi
-# papermill and a Jupyter kernel into the image's own environment (the machine is a throwaway one):
-# pip resolves against what is installed and adds only what is missing, so torch, numpy, pandas and
-# matplotlib stay the image's. (A venv with --system-site-packages would not see them: the image's
-# python3 is itself a venv.)
+# lm-eval (.whl/) and papermill with a Jupyter kernel (.whl-nb/), as scripts/gpu_check.sh installs them.
 PY=python3
-if ! "$PY" -c "import papermill, ipykernel" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-cache-dir --find-links .whl-nb papermill ipykernel \
-        || { echo "!!! installing .whl-nb/ failed"; exit 1; }
-fi
-"$PY" -c "import papermill, torch; print('papermill', papermill.__version__, 'torch', torch.__version__)"
+source scripts/gpu_deps.sh
+install_carried_wheels || exit 1
+"$PY" -c "import papermill, torch; print('papermill', papermill.__version__, 'torch', torch.__version__)" || exit 1
 
 FAILED=0
 step() {  # name seconds args...: a time limit per call, so that what ran still comes back

@@ -2,8 +2,8 @@
 # Wheels for the GPU machine, whose image lacks lm-eval and some of its pure-Python needs (the image's
 # own torch, transformers, accelerate, pandas, pyarrow, scikit-learn, sacrebleu, ... are used as they
 # are). Run here, in the repository root (needs a package registry); then pass `.whl` in the device
-# tool's `carry`: scripts/gpu_check.sh installs them into /tmp/site when .whl/ exists.
-# The second part fills .whl-nb/ for scripts/gpu_pipeline.sh (the notebooks through papermill).
+# tool's `carry`: scripts/gpu_deps.sh (sourced by gpu_check.sh and gpu_pipeline.sh) installs them.
+# The second part fills .whl-nb/ (papermill, for the notebooks and their tests).
 # Versions match the local environment that the CPU tests use.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,9 +21,9 @@ python3 -m pip wheel -q --no-deps -w .whl sqlitedict==2.1.0 word2number==1.1 rou
 ls .whl && du -sh .whl
 
 # The notebook pipeline's needs (papermill and a Jupyter kernel; the image has matplotlib and seaborn)
-# go to .whl-nb/, apart from .whl/: scripts/gpu_pipeline.sh installs them into a venv that sees the
-# image's packages, so pip adds only what the image lacks. numpy and pandas are left out: the image
-# has them, and its copies must stay the ones its other packages were built against.
+# go to .whl-nb/, apart from .whl/: scripts/gpu_deps.sh installs them into the image's environment with
+# pip resolving against it, so pip adds only what the image lacks. numpy and pandas are left out: the
+# image has them, and its copies must stay the ones its other packages were built against.
 mkdir -p .whl-nb
 grep -qx '/.whl-nb/' .git/info/exclude 2>/dev/null || echo '/.whl-nb/' >> .git/info/exclude
 python3 -m pip download -q "${PLAT[@]}" -d .whl-nb \

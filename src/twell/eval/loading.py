@@ -34,7 +34,7 @@ EXPECTED_LAST_PATHS = {
     "kernel": {"twell-kernel"},
     "auto": {"twell-reference", "twell-kernel", "dense"},
 }
-SPARSE_LAST_PATHS = {"twell-reference", "twell-kernel"}
+SPARSE_LAST_PATHS = EXPECTED_LAST_PATHS["reference"] | EXPECTED_LAST_PATHS["kernel"]
 # eval's name for twell.model.sparse_ffns (compare.py and the tests use it).
 sparse_ffn_modules = sparse_ffns
 

@@ -98,8 +98,9 @@ def _layer_panels(runs: Runs, key: str, height: float):
 def plot_active(runs: Runs, widths: Mapping[str, int] | None = None, title: str | None = None, smooth: int = 10):
     """Active neurons per token (% of the FFN width when ``widths`` gives it), per layer, against step
     (moving mean over ``smooth`` logged records, drawn at the mean step of each window)."""
-    fig, axes, panels = _layer_panels(runs, "active_mean", 3.8)
-    window = _window_text(_records(runs), smooth)
+    data = _records(runs)  # read once: the panels and the window's label both need it
+    fig, axes, panels = _layer_panels(data, "active_mean", 3.8)
+    window = _window_text(data, smooth)
     for ax, label, s, act in panels:
         scale = 100.0 / widths[label] if widths and label in widths else 1.0
         for layer in range(act.shape[1]):
