@@ -224,7 +224,7 @@ def test_hf_offline_sets_and_restores(monkeypatch):
 
     from twell.eval.offline import hf_offline, resolve_offline
 
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TWELL_ALLOW_NETWORK"):
         monkeypatch.delenv(name, raising=False)
     before = (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)
     assert resolve_offline(None) is False and resolve_offline(True) is True
@@ -233,3 +233,7 @@ def test_hf_offline_sets_and_restores(monkeypatch):
         assert resolve_offline(None) is True
     assert (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before
     assert "HF_HUB_OFFLINE" not in __import__("os").environ
+    monkeypatch.setenv("TWELL_ALLOW_NETWORK", "0")  # no network for anything, evaluations included
+    assert resolve_offline(None) is True
+    monkeypatch.setenv("TWELL_ALLOW_NETWORK", "1")
+    assert resolve_offline(None) is False

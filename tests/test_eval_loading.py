@@ -145,3 +145,23 @@ def test_limit_must_be_a_count_or_a_fraction(checkpoint, fixture_dir, bad):
         evaluate_model(lm.model, lm.tokenizer, tasks=["piqa"], data_dir=fixture_dir, offline=True, limit=bad)
     with pytest.raises(ValueError, match="limit must be None, a whole number"):
         compare_paths(lm.model, lm.tokenizer, [("a", " b")], paths=("dense", "reference"), limit=bad)
+
+
+def test_twell_allow_network_0_keeps_a_hub_id_offline(monkeypatch):
+    """load_checkpoint with offline=None follows the environment: TWELL_ALLOW_NETWORK=0 means no
+    download, as for load_pretrained (it passed allow_network=True, which beat the variable)."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, **kw):
+        calls.append(kw.get("local_files_only"))
+        raise RuntimeError("no network in tests")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TWELL_ALLOW_NETWORK", "0")
+    with pytest.raises(CheckpointLoadError):
+        load_checkpoint("twell-tests/not-here", device="cpu")
+    assert calls == [True]

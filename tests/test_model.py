@@ -228,6 +228,57 @@ def test_load_errors_name_the_problem(tmp_path, monkeypatch):
                       "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 10})
 
 
+
+def _saved_plain_llama(path, **kw):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      hidden_act="relu", max_position_embeddings=64, **kw)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return json.loads((path / "config.json").read_text())
+
+
+def test_plain_llama_config_fields_mean_what_transformers_reads(tmp_path):
+    """A config.json read as transformers reads it: no tie_word_embeddings means untied (LlamaConfig's
+    default), and the token ids (several eos ids, a pad id) and generation settings survive loading."""
+    raw = _saved_plain_llama(tmp_path, tie_word_embeddings=False, eos_token_id=[4, 7, 9], pad_token_id=11,
+                             bos_token_id=3)
+    del raw["tie_word_embeddings"]  # hand-written and older configs leave it out
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ours, _ = load_pretrained(tmp_path, ffn_path="dense", load_tokenizer=False)
+    assert not ref.config.tie_word_embeddings and not ours.config.tie_word_embeddings
+    ids = torch.tensor([[1, 5, 9, 20]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours.config, key) == getattr(ref.config, key), key
+        assert getattr(ours.generation_config, key) == getattr(ref.generation_config, key), key
+    # A tied checkpoint whose config leaves the key out has no lm_head to untie: it loads tied.
+    tied = tmp_path / "tied"
+    raw = _saved_plain_llama(tied, tie_word_embeddings=True)
+    del raw["tie_word_embeddings"]
+    (tied / "config.json").write_text(json.dumps(raw))
+    ours, _ = load_pretrained(tied, ffn_path="dense", load_tokenizer=False)
+    assert ours.config.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def test_only_the_default_rope_is_loaded_however_the_config_spells_it():
+    base = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "hidden_act": "relu"}
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for bad in ({"rope_parameters": llama3}, {"rope_theta": 5e5, "rope_parameters": llama3},
+                {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}):
+        with pytest.raises(ValueError, match="only the default RoPE"):
+            from_hf_dict({**base, **bad})
+    for fine in ({"rope_theta": 5e5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                 {"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}}):
+        assert from_hf_dict({**base, **fine})[0].rope_theta == 5e5
+    no_width = {k: v for k, v in base.items() if k != "intermediate_size"}
+    with pytest.raises(ValueError, match="intermediate_size"):
+        from_hf_dict(no_width)
+
+
 def test_set_ffn_path_and_tracking():
     mc = _random_cfg()
     model = build_model(mc).eval()
@@ -329,3 +380,18 @@ def test_checkpoint_without_tokenizer_files_names_its_hub_tokenizer(tmp_path, mo
         load_pretrained(tmp_path / "ck", ffn_path="dense")
     loaded, tok = load_pretrained(tmp_path / "ck", ffn_path="dense", load_tokenizer=False)
     assert tok is None and loaded.config.twell_tokenizer["name"] == "twell-tests/no-such-tok"
+
+
+def test_saving_again_into_a_folder_leaves_no_earlier_shards(tmp_path):
+    """A run re-exported into its final/ folder: a sharded save, then a single-file one, leaves one
+    consistent checkpoint (no index naming shards that are gone)."""
+    mc = _random_cfg()
+    model = build_model(mc)
+    save_pretrained(model, None, tmp_path, max_shard_size=2_000)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    save_pretrained(model, None, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+    loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
+    ids = _ids(mc)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits)

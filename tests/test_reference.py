@@ -311,6 +311,63 @@ def test_module_auto_says_why_it_left_the_sparse_paths():
     assert silu.last_path == "dense" and "relu" in silu.auto_note
 
 
+
+class _HalfLinear(torch.nn.Linear):  # a subclass with its own forward (fake-quant, adapters, ...)
+    def forward(self, x):
+        return 0.5 * super().forward(x)
+
+
+@pytest.mark.parametrize("change", ["pre-hook", "hook", "subclass", "patched forward", "global hook",
+                                    "non-contiguous"])
+def test_module_runs_dense_where_the_sparse_paths_would_skip_what_a_projection_does(change):
+    """The sparse paths read the weights and never call the projections: "auto" runs such a layer
+    dense (what a LlamaMLP computes, hooks called), an explicit sparse path refuses it."""
+    bf = torch.bfloat16
+    torch.manual_seed(0)
+    ffn = SparseFFN(64, 256).to(bf)
+    seen, handles = [], []
+    if change == "pre-hook":
+        handles.append(ffn.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape)))
+    elif change == "hook":
+        handles.append(ffn.down_proj.register_forward_hook(lambda m, a, out: 0 * out))
+    elif change == "subclass":
+        half = _HalfLinear(256, 64, bias=False).to(bf)
+        half.weight = ffn.down_proj.weight
+        ffn.down_proj = half
+    elif change == "patched forward":
+        plain = ffn.up_proj.forward
+        ffn.up_proj.forward = lambda x: 2 * plain(x)
+    elif change == "global hook":
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        handles.append(register_module_forward_pre_hook(lambda m, a: None))
+    else:  # gate and up split out of a fused input-major [D, 2H] matrix
+        fused = torch.randn(64, 512, dtype=bf)
+        ffn.gate_proj.weight = torch.nn.Parameter(fused[:, :256].t())
+        ffn.up_proj.weight = torch.nn.Parameter(fused[:, 256:].t())
+    x = torch.randn(3, 5, 64, dtype=bf)
+    try:
+        with torch.no_grad():
+            want = ffn.down_proj(torch.relu(ffn.gate_proj(x)) * ffn.up_proj(x))
+            seen.clear()
+            out = ffn(x)
+            assert ffn.last_path == "dense" and ffn.auto_note.startswith("auto: dense"), ffn.auto_note
+            assert torch.equal(out, want)
+            if change == "pre-hook":
+                assert len(seen) == 1
+            ffn.path = "reference"
+            with pytest.raises(ValueError, match="cannot run this layer"):
+                ffn(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if change in ("pre-hook", "hook", "global hook"):  # without the hook the layer is sparse again
+        with torch.no_grad():
+            ffn.path = "auto"
+            ffn(x)
+        assert ffn.last_path == "twell-reference"
+
+
 def test_module_auto_route_is_what_forward_runs():
     """auto_route (which choose_union_paths asks) names the path forward then takes, with the same reason."""
     bf = torch.bfloat16

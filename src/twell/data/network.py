@@ -13,6 +13,13 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 HF_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+def network_refused_env() -> bool:
+    """True when ``TWELL_ALLOW_NETWORK`` is set to a false value (0, off, ...): nothing may go online,
+    explicit hub ids and evaluations included."""
+    value = os.environ.get("TWELL_ALLOW_NETWORK", "").strip().upper()
+    return value != "" and value not in _TRUE
+
+
 def hf_offline_env() -> bool:
     """True when the environment tells the Hugging Face libraries to stay offline."""
     return any(os.environ.get(v, "").strip().upper() in _TRUE for v in HF_OFFLINE_VARS)

@@ -172,7 +172,8 @@ def load_checkpoint(
         with hf_offline(offline):
             if use_project:
                 model, tokenizer = load_pretrained(source, ffn_path=ffn_path, device=device, dtype=torch_dtype,
-                                                   allow_network=not offline)
+                                                   # offline: never; else TWELL_ALLOW_NETWORK decides
+                                                   allow_network=False if offline else None)
             else:
                 model, tokenizer = _load_with_transformers(source, torch_dtype)
     except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named

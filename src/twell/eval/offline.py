@@ -12,13 +12,14 @@ from typing import Iterator
 
 
 def resolve_offline(offline: bool | None) -> bool:
-    """``None`` means: follow the environment (see :func:`twell.data.network.hf_offline_env`)."""
+    """``None`` means: follow the environment (an HF_*_OFFLINE variable, or TWELL_ALLOW_NETWORK set to a
+    false value)."""
     if offline is not None:
         return bool(offline)
     # Imported here: the twell.data package imports torch, and importing twell.eval stays light.
-    from twell.data.network import hf_offline_env
+    from twell.data.network import hf_offline_env, network_refused_env
 
-    return hf_offline_env()
+    return hf_offline_env() or network_refused_env()
 
 
 def _constants() -> list[tuple[object, str]]:

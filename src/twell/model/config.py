@@ -72,9 +72,18 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def to_hf_config(self, **extra: Any):
-        """A ``transformers.LlamaConfig``; ``extra`` becomes additional (serialised) attributes."""
+        """A ``transformers.LlamaConfig``; ``extra`` becomes additional (serialised) attributes, or
+        replaces the token ids (a checkpoint's list of eos ids, its pad id)."""
         from transformers import LlamaConfig
 
+        token_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        clash = sorted(set(extra) & {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+                                     "tie_word_embeddings", "rope_theta", "twell_ffn"})
+        if clash:
+            raise ValueError(f"to_hf_config: {clash} come from the ModelConfig, not from extra")
+        ids = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id}
+        ids.update({k: extra.pop(k) for k in token_ids if k in extra})
         cfg = LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -92,9 +101,8 @@ class ModelConfig:
             attention_bias=False,
             mlp_bias=False,
             use_cache=False,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
             twell_ffn=self.ffn,
+            **ids,
             **extra,
         )
         cfg._attn_implementation = self.attn_implementation
@@ -182,6 +190,10 @@ def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
     sparse_family = mt.endswith("_sparse_relu") or any(str(k).startswith("sparsity_") for k in d)
     if mt not in ("llama", "llama_sparse_relu") and not sparse_family:
         raise ValueError(f"expected a Llama-family checkpoint (model_type 'llama' or 'llama_sparse_relu'), got {mt!r}")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if d.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json of a Llama checkpoint lacks {missing}")
     intermediate = d["intermediate_size"]
     if "twell_ffn" in d:
         ffn = d["twell_ffn"]
@@ -197,14 +209,13 @@ def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
             ffn = "silu_gated"
         else:
             raise ValueError(f"unsupported hidden_act {act!r}: twell models use 'relu' (sparse) or 'silu' (dense)")
-    theta = d.get("rope_theta")
-    if theta is None and isinstance(d.get("rope_parameters"), Mapping):
-        theta = d["rope_parameters"].get("rope_theta")
-        rtype = d["rope_parameters"].get("rope_type", "default")
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), Mapping) else {}
+    theta = d.get("rope_theta", params.get("rope_theta"))
+    # Checked whatever else the config says: a top-level rope_theta beside a llama3 / yarn RoPE is common.
+    for key, spec in (("rope_parameters", params), ("rope_scaling", d.get("rope_scaling") or {})):
+        rtype = spec.get("rope_type", spec.get("type", "default")) if isinstance(spec, Mapping) else spec
         if rtype != "default":
-            raise ValueError(f"unsupported rope_type {rtype!r}; only the default RoPE is supported")
-    if d.get("rope_scaling"):
-        raise ValueError(f"unsupported rope_scaling {d['rope_scaling']!r}; only the default RoPE is supported")
+            raise ValueError(f"unsupported {key} {spec!r}; only the default RoPE is supported")
     for flag in ("attention_bias", "mlp_bias"):
         if d.get(flag):
             raise ValueError(f"unsupported {flag}=True; twell models are bias-free like the paper's")
@@ -212,9 +223,11 @@ def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
     head_dim = d.get("head_dim")
     if head_dim == d["hidden_size"] // n_heads:
         head_dim = None
+    # ModelConfig keeps one eos id (what training needs); load_pretrained hands the checkpoint's own
+    # bos / eos (a list included) / pad ids to the transformers config.
     eos = d.get("eos_token_id", 0)
     if isinstance(eos, list):
-        eos = eos[0]
+        eos = eos[0] if eos else None
     cfg = ModelConfig(
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -227,7 +240,7 @@ def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
         rope_theta=float(theta if theta is not None else 10000.0),
         max_position_embeddings=d.get("max_position_embeddings", 2048),
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_embeddings=d.get("tie_word_embeddings", True),
+        tie_embeddings=d.get("tie_word_embeddings", False),  # transformers' LlamaConfig default
         init_std=d.get("initializer_range", 0.02),
         bos_token_id=d.get("bos_token_id") if d.get("bos_token_id") is not None else 0,
         eos_token_id=eos if eos is not None else 0,

@@ -12,6 +12,7 @@ only ``load_pretrained`` loads it (config.json says ``twell_ffn: relu``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import warnings
@@ -76,6 +77,12 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
     for k, v in (extra_config or {}).items():
         setattr(cfg, k, v)
     model.config = cfg
+    # An earlier save's shards and index would sit beside this one's (a sharded index pointing at deleted
+    # shards next to a new single file): loaders that read the index would break.
+    for pattern in ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                    "pytorch_model.bin.index.json"):
+        for old_file in path.glob(pattern):
+            old_file.unlink()
     try:
         model.save_pretrained(str(path), state_dict=state, max_shard_size=max_shard_size)
     finally:
@@ -165,13 +172,17 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
         raise FileNotFoundError(f"{ckpt} has no config.json; expected a Hugging Face checkpoint directory")
     raw = json.loads(cfg_path.read_text())
     mc, notes = from_hf_dict(raw)
-    extra = {k: raw[k] for k in ("twell_tokenizer",) if k in raw}
+    # the checkpoint's own token ids as written (a list of eos ids, a pad id, null), as transformers keeps them
+    extra = {k: raw[k] for k in ("twell_tokenizer", "bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
     if notes:
         extra["twell_converted_from"] = notes.get("converted_from")
-    with torch.device("meta"):  # no random initialisation of weights that are replaced right away
-        model = build_model(mc, **extra)
     state = read_state_dict(ckpt)
     state = {k: v for k, v in state.items() if not any(part in k for part in _AUX_KEY_PARTS)}
+    if "tie_word_embeddings" not in raw and "lm_head.weight" not in state:
+        # transformers' default is untied, but without an lm_head the checkpoint can only mean tied
+        mc = dataclasses.replace(mc, tie_embeddings=True)
+    with torch.device("meta"):  # no random initialisation of weights that are replaced right away
+        model = build_model(mc, **extra)
     if mc.tie_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model.state_dict())
@@ -196,6 +207,10 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
         if model.lm_head.weight is not model.model.embed_tokens.weight:
             raise RuntimeError("tied embeddings were untied while loading; refusing to return an inconsistent model")
     _rebuild_meta_buffers(model)
+    if (ckpt / "generation_config.json").is_file():  # as from_pretrained does: generate() stops where it should
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
     dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")

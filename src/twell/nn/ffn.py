@@ -237,12 +237,35 @@ class SparseFFN(nn.Module):
                 f"activation={self.activation}, path={self.path}" + (f", union={self.union}" if self.union else ""))
 
     # -- forward ---------------------------------------------------------------------------------
+    def _bypassed(self) -> str:
+        """What the sparse paths would skip: they read the projections' weights and never call the
+        modules, so hooks, a subclass's own forward or a patched forward (adapters, fake-quant,
+        activation capture, offloading) would be lost; '' when nothing is."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            m = getattr(self, name)
+            if m is None:
+                continue
+            if type(m) is not nn.Linear or "forward" in m.__dict__:
+                return f"{name} is a {type(m).__name__} with its own forward, which the sparse paths would not call"
+            if m._forward_hooks or m._forward_pre_hooks:
+                return f"{name} has forward hooks, which the sparse paths would not call"
+            if not m.weight.is_contiguous():
+                return f"{name}.weight is not contiguous (a view of a fused matrix?)"
+        from torch.nn.modules import module as _module
+
+        if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+            return "global forward hooks are registered, which the sparse paths would not call on the projections"
+        return ""
+
     def _no_sparse(self, x: torch.Tensor) -> str:
         """Why no sparse path (reference or kernels) can run this layer on x; '' when one can."""
         if self.has_bias():
             return self.BIAS_ERROR
         if columns_limit(self.intermediate_size):
             return f"{columns_limit(self.intermediate_size)} (this layer's intermediate size)"
+        why = self._bypassed()
+        if why:
+            return why
         ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
         if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in ws):
             return (f"the sparse paths compute in bfloat16; x is {x.dtype}, the weights "
@@ -315,6 +338,9 @@ class SparseFFN(nn.Module):
         # An explicit sparse path raises where "auto" would leave it.
         if self.has_bias():
             raise ValueError(self.BIAS_ERROR)
+        why = self._bypassed()
+        if why:
+            raise ValueError(f"path={path!r} cannot run this layer: {why} (path='auto' runs it dense)")
         self._check_width(x)
         if path == "kernel":
             from twell import kernels
