@@ -304,3 +304,9 @@ def test_read_metrics_skips_a_half_written_last_line(tmp_path):
     path.write_text('{"kind": "train", "step": 1}\n{"kind": "tr\n{"kind": "train", "step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
         read_metrics(path)
+
+
+def test_a_folder_named_like_a_config_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # e.g. runs/tiny, the default output of --config tiny, when run from runs/
+    assert config_path("tiny") == repo_root() / "configs" / "tiny.yaml"

@@ -4,6 +4,7 @@ and the sparsity the L1 recipe produces (tiny config, L1 2e-5 vs 0).
 Runs use a fixture corpus: the smoke corpus (installed packages' metadata, not FineWeb-Edu), tokenised once per session.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -141,6 +142,76 @@ def test_resume_records_the_settings_that_changed(tmp_path, smoke_data):
     assert event["changed"] == ["train.progress: False -> True", "train.steps: 3 -> 5"]
 
 
+
+def test_resume_takes_the_optimizer_settings_of_the_config(tmp_path, smoke_data):
+    """The checkpoint gives the optimizer's state; weight decay, betas and eps are the config's (the resume
+    warning says they change), not the ones saved with the optimizer state."""
+    from twell.train import load_config
+    from twell.train.loop import Trainer
+
+    out = tmp_path / "r"
+    run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)
+    cfg = _cfg(smoke_data, steps=5, ckpt_every=3)
+    cfg["optim"].update(weight_decay=0.0, beta1=0.5, beta2=0.6, eps=1e-3)
+    with pytest.warns(UserWarning, match="optim.weight_decay"):
+        trainer = Trainer(load_config(cfg), out, resume=True)
+    decay, no_decay = trainer.optimizer.param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.0, 0.0)
+    assert all(tuple(g["betas"]) == (0.5, 0.6) and g["eps"] == 1e-3 for g in (decay, no_decay))
+    state = trainer.optimizer.state[decay["params"][0]]
+    assert int(state["step"]) == 3 and state["exp_avg"].abs().sum() > 0  # the state itself was restored
+    trainer.metrics.close()
+
+
+@pytest.mark.parametrize("key,value", [("intermediate_size", 128), ("num_layers", 3)])
+def test_resume_with_another_model_shape_names_the_setting(tmp_path, smoke_data, key, value):
+    out = tmp_path / "r"
+    run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)
+    cfg = _cfg(smoke_data, steps=5, ckpt_every=3)
+    cfg["model"][key] = value
+    with pytest.raises(ValueError, match=f"cannot resume.*model.{key}"):
+        run(cfg, out=out, resume=True)
+
+
+def test_evaluation_settings_fail_before_training(tmp_path, smoke_data):
+    with pytest.raises(ValueError, match="eval_micro_batch must be a positive integer"):
+        run(_cfg(smoke_data, eval_micro_batch=-1), out=tmp_path / "a")
+    with pytest.raises(ValueError, match="lower train.eval_micro_batch"):
+        run(_cfg(smoke_data, eval_micro_batch=100_000), out=tmp_path / "b")
+    assert "train" not in read_metrics(tmp_path / "b" / "metrics.jsonl") if (tmp_path / "b" / "metrics.jsonl").exists() \
+        else True  # no step ran
+    with pytest.raises(ValueError, match="train.eval_tokens = 64 gives 2 validation blocks"):
+        run(_cfg(smoke_data, eval_tokens=64), out=tmp_path / "c")
+
+
+def test_wall_clock_guard_counts_the_next_evaluation(tmp_path, smoke_data, monkeypatch):
+    """Steps of 0.1 s, each followed by a 2 s evaluation, on a clock the test drives: the guard must stop
+    before an evaluation would end past the deadline (limit - reserve), which leaves the reserve to the
+    final save and export. (Counting steps only, it ran one more step and evaluation, to 10.5 s of 10.)"""
+    import types
+
+    from twell.train import loop
+
+    clock = [1000.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    step, evaluate = loop.Trainer._train_step, loop.Trainer.evaluate
+
+    def timed_step(self, i):
+        clock[0] += 0.1
+        return step(self, i)
+
+    def timed_eval(self):
+        clock[0] += 2.0
+        return evaluate(self)
+
+    monkeypatch.setattr(loop.Trainer, "_train_step", timed_step)
+    monkeypatch.setattr(loop.Trainer, "evaluate", timed_eval)
+    res = run(_cfg(smoke_data, steps=100_000, max_wall_seconds=10.0, wall_reserve_s=1.0, eval_every=1,
+                   ckpt_every=100_000), out=tmp_path / "w")
+    assert res.summary["stopped_early"] and res.summary["steps_done"] == 4
+    assert res.summary["process_wall_seconds"] == pytest.approx(8.4)  # last evaluation ended before 9 s
+
+
 def test_refused_resume_keeps_the_runs_config_yaml(tmp_path, smoke_data):
     out = tmp_path / "r"
     run(_cfg(smoke_data, steps=3, ckpt_every=3), out=out)
@@ -172,7 +243,15 @@ def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data):
     recs = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in recs["train"]] == list(range(1, bad + 1))  # log_every 1: detected at once
     assert all(isinstance(r[k], float) for r in recs["train"][:-1] for k in ("loss", "grad_norm"))
-    assert any(isinstance(recs["train"][-1][k], str) for k in ("loss", "grad_norm"))  # "nan" / "inf"
+    assert any(not math.isfinite(recs["train"][-1][k]) for k in ("loss", "grad_norm"))  # read back as floats
+    # The plots and the table take a diverged run: numbers on the axis, NaN in the table.
+    from twell.train import plots
+
+    fig = plots.plot_loss({"nan": out / "metrics.jsonl"})
+    assert all(line.get_ydata().dtype.kind == "f" for ax in fig.axes for line in ax.lines)
+    plots.plot_active({"nan": out / "metrics.jsonl"})
+    table = plots.summary_table({"nan": out / "metrics.jsonl"}, {"nan": out / "summary.json"})
+    assert table.loc[0, "steps"] == bad
     assert recs["event"][-1]["event"] == "stop" and f"step {bad}" in recs["event"][-1]["reason"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and summary["steps_done"] == bad and f"step {bad}" in summary["stop_reason"]

@@ -81,6 +81,10 @@ def val_shards(blocks: TokenBlocks, *, max_tokens: int | None, rank: int, world:
     per_round = world * micro_batch
     n = (n // per_round) * per_round
     if n == 0:
+        if blocks.n_blocks >= per_round:  # the split is large enough: max_tokens took too few of its blocks
+            raise ValueError(f"train.eval_tokens = {max_tokens} gives {max(1, max_tokens // blocks.seq_len)} validation "
+                             f"blocks of {blocks.seq_len} tokens, fewer than world x eval micro-batch = {per_round}; "
+                             "raise train.eval_tokens or lower train.eval_micro_batch")
         raise ValueError(f"the validation split has {blocks.n_blocks} blocks of {blocks.seq_len} tokens, fewer than "
                          f"world x eval micro-batch = {per_round}; lower train.eval_micro_batch or raise data.val_fraction")
     for r in range(n // per_round):

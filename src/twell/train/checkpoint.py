@@ -71,6 +71,11 @@ class CheckpointManager:
         barrier(self.info)
         return final
 
+    @staticmethod
+    def read_state(path: str | Path) -> dict:
+        """The trainer state (step, tracker, config) of a checkpoint, without its tensors."""
+        return torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=True)
+
     def load(self, path: str | Path, model, optimizer) -> dict:
         """Restore model and optimizer in place (collective); return the trainer state."""
         path = Path(path)
@@ -80,7 +85,7 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message=_DCP_WARNING)
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+        return self.read_state(path)
 
     def _prune(self, keep_also: Path) -> None:
         done = sorted(d for d in self.root.glob("step_*") if (d / "trainer.pt").is_file())

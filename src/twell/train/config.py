@@ -155,6 +155,13 @@ class RunConfig:
             raise ValueError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
         if t.export_dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"train.export_dtype must be bf16, fp32 or null, got {t.export_dtype!r}")
+        for name in ("eval_tokens", "eval_micro_batch"):  # None: the whole split / micro_batch
+            v = getattr(t, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"train.{name} must be a positive integer or null, got {v!r}")
+        if t.eval_tokens is not None and t.eval_tokens < t.seq_len:
+            raise ValueError(f"train.eval_tokens ({t.eval_tokens}) is less than one block of train.seq_len "
+                             f"({t.seq_len}) tokens")
         for name in ("log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
             if getattr(t, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(t, name)}")
@@ -180,7 +187,7 @@ class RunConfig:
 def config_path(name_or_path: str | Path) -> Path:
     """``tiny`` -> ``<repo>/configs/tiny.yaml``; a path is returned as is (must exist)."""
     p = Path(name_or_path).expanduser()
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    if p.suffix in (".yaml", ".yml") or p.is_file():  # a folder named like a config ("runs/tiny") is not one
         if not p.is_file():
             raise FileNotFoundError(f"config file {str(p)!r} not found")
         return p

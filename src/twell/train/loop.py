@@ -112,6 +112,9 @@ class Trainer:
 
         self.train_blocks = TokenBlocks(self.data.tokens("train"), t.seq_len, "the training split")
         self.val_blocks = TokenBlocks(self.data.tokens("val"), t.seq_len, "the validation split")
+        # the evaluation's settings fail here, not after eval_every steps of training
+        next(val_shards(self.val_blocks, max_tokens=t.eval_tokens, rank=self.info.rank, world=self.info.world,
+                        micro_batch=t.eval_micro_batch or t.micro_batch), None)
         self.order = TrainOrder(self.train_blocks, t.data_seed)
         self.accum = t.global_batch // (t.micro_batch * self.info.world)
         window = s.dead_window_tokens or cfg.tokens_per_step
@@ -177,9 +180,20 @@ class Trainer:
             self._event("resume-requested", detail=f"no checkpoint found; starting at step 0 with a fresh metrics "
                                                    f"file (dropped {dropped} records of the earlier attempt)")
             return
-        state = self.ckpt.load(latest, self.model, self.optimizer)
+        state = self.ckpt.read_state(latest)  # checked before any tensor is loaded (a new shape would fail there)
         self._check_resume_config(state["config"])
         self._check_resume_data(state)
+        # The checkpoint holds the optimizer's state; its settings (weight decay, betas, eps, fused/foreach for this
+        # machine) are the current config's, as the resume warning below says.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.ckpt.load(latest, self.model, self.optimizer)
+        for g, kept in zip(self.optimizer.param_groups, settings):
+            g.update(kept)
+            on_device = g.get("fused") or g.get("capturable")
+            for p in g["params"]:
+                st = self.optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")):  # fused / capturable keep the step count on the device
+                    st["step"] = st["step"].to(p.device if on_device else "cpu")
         self.step = int(state["step"])
         self.tracker.load_state_dict(state["tracker"])
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -350,7 +364,7 @@ class Trainer:
         deadline = self._deadline()
         bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
                    disable=not (t.progress and self.main), dynamic_ncols=True)
-        last_step_s = 0.0
+        last_step_s = last_eval_s = 0.0
         last_val_step = self.step if self.last_val and self.last_val["step"] == self.step else None
         t_log, step_log = time.time(), self.step
         while self.step < t.steps:
@@ -377,11 +391,16 @@ class Trainer:
                 if pos:
                     self.metrics.write({"kind": "positions", "step": self.step, **pos})
             if due_eval:
+                t_eval = time.time()
                 self._validate_and_log()
+                last_eval_s = time.time() - t_eval
                 last_val_step = self.step
                 t_log, step_log = time.time(), self.step  # keep evaluation out of the step timings
             bar.update(1)
-            stop = deadline is not None and time.time() + 2 * last_step_s >= deadline
+            # The next step, and its evaluation when one is due, must end before the deadline.
+            next_evaluates = (self.step + 1) % t.eval_every == 0 and self.step + 1 < t.steps
+            next_cost = 2 * last_step_s + (last_eval_s if next_evaluates else 0.0)
+            stop = deadline is not None and time.time() + next_cost >= deadline
             if broadcast_flag(stop, self.info) and self.step < t.steps:
                 if not logged:
                     self._log_train(raw, bar, t_log, step_log)

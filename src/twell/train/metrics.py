@@ -75,12 +75,27 @@ class MetricsLog:
             self._fh = None
 
 
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _numbers_back(v: Any) -> Any:
+    """json_safe undone: the strings it wrote for non-finite floats are floats again (plots need numbers)."""
+    if isinstance(v, str):
+        return _NONFINITE.get(v, v)
+    if isinstance(v, dict):
+        return {k: _numbers_back(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_numbers_back(x) for x in v]
+    return v
+
+
 def read_metrics(path: str | Path) -> dict[str, list[dict]]:
-    """Records of a metrics JSONL grouped by kind: ``{"train": [...], "val": [...], ...}``."""
+    """Records of a metrics JSONL grouped by kind: ``{"train": [...], "val": [...], ...}``; non-finite
+    values (a diverged run) read back as float NaN / inf."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
     out: dict[str, list[dict]] = {}
     for _, rec in iter_jsonl(path, partial_last_ok=True):  # a run may be writing it right now
-        out.setdefault(rec.get("kind", "train"), []).append(rec)
+        out.setdefault(rec.get("kind", "train"), []).append(_numbers_back(rec))
     return out
