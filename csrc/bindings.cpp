@@ -34,6 +34,12 @@ void check_bf16_matrix(const at::Tensor& t, const char* name) {
   check_aligned(t, name);
 }
 
+// Every tensor of a launch on x's GPU: a pointer into another GPU's memory faults (or, with peer
+// access, reads remotely) instead of failing here.
+void check_on_device_of(const at::Tensor& x, const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.device() == x.device(), "twell.", op, ": ", name, " is on ", t.device(), ", x on ", x.device());
+}
+
 // TwELL words of M rows over H neurons: uint32 [M, ceil(H/tile) * S], contiguous, on the device.
 void check_twell_words(const at::Tensor& tw, int64_t M, int64_t H, int64_t tile, int64_t S, const char* op) {
   TORCH_CHECK(tw.is_cuda() && tw.scalar_type() == at::kUInt32 && tw.is_contiguous() && tw.dim() == 2 &&
@@ -124,7 +130,7 @@ void check_gate_inputs(const at::Tensor& x, const at::Tensor& w, int64_t tile, i
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w, "w_gate");
   TORCH_CHECK(x.size(1) == w.size(1) && x.device() == w.device(), op, ": x and w_gate disagree");
-  TORCH_CHECK(x.size(1) % 64 == 0, op, ": D must be a multiple of 64, got ", x.size(1));
+  TORCH_CHECK(x.size(1) >= 64 && x.size(1) % 64 == 0, op, ": D must be a positive multiple of 64, got ", x.size(1));
   check_tiling(tile, compression, op, true);
   TORCH_CHECK(w.size(0) <= 65536, op, ": H must be <= 65536");
 }
@@ -166,14 +172,21 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   check_tiling(tile, compression, "twell.ffn", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
-  TORCH_CHECK(D % 64 == 0 && D <= 2048, "twell.ffn: D must be a multiple of 64 and at most 2048, got ", D);
+  TORCH_CHECK(D >= 64 && D % 64 == 0 && D <= 2048, "twell.ffn: D must be a positive multiple of 64, at most 2048, "
+              "got ", D);
   TORCH_CHECK(tile >= 2 && tile <= 4096, "twell.ffn: tile must be in [2, 4096], got ", tile);
   check_twell_words(tw, M, H, tile, S, "ffn");
-  if (spill) check_spill(*spill, "ffn");
+  check_on_device_of(x, tw, "the TwELL words", "ffn");
+  check_on_device_of(x, w_down_t, "w_down_t", "ffn");
+  if (spill) {
+    check_spill(*spill, "ffn");
+    check_on_device_of(x, *spill, "the spill area", "ffn");
+  }
   for (const auto* opt : {&w_act, &w_up}) {
     if (opt->has_value()) {
       check_bf16_matrix(**opt, "w_act/w_up");
       TORCH_CHECK((*opt)->sizes() == w_down_t.sizes(), "twell.ffn: w_act/w_up must be [H, D] like w_down_t");
+      check_on_device_of(x, **opt, "w_act/w_up", "ffn");
     }
   }
   at::Tensor out;
@@ -243,10 +256,18 @@ std::vector<at::Tensor> ffn_plan(const at::Tensor& x, const at::Tensor& tw, cons
   check_bf16_matrix(w_down_t, "w_down_t");
   check_tiling(tile, compression, "twell.ffn_plan", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
+  TORCH_CHECK(w_down_t.size(1) == D && w_up.sizes() == w_down_t.sizes(),
+              "twell.ffn_plan: w_up and w_down_t must be [H, D] with x's D");
   const std::string why = twell::union_unsupported(int(D), int(H), true);
   TORCH_CHECK(why.empty(), "twell.ffn_plan: ", why);
   check_twell_words(tw, M, H, tile, S, "ffn_plan");
-  if (spill) check_spill(*spill, "ffn_plan");
+  for (const auto& [t, name] : {std::pair{&tw, "the TwELL words"}, std::pair{&w_up, "w_up"},
+                                std::pair{&w_down_t, "w_down_t"}})
+    check_on_device_of(x, *t, name, "ffn_plan");
+  if (spill) {
+    check_spill(*spill, "ffn_plan");
+    check_on_device_of(x, *spill, "the spill area", "ffn_plan");
+  }
   const int64_t words = int64_t(twell::union_workspace_words(int(M), int(H)));
   at::Tensor work = at::zeros({words}, x.options().dtype(at::kInt));
   const c10::cuda::CUDAGuard guard(x.device());

@@ -376,6 +376,57 @@ def test_gpu_generator_device_matches_cpu():
     assert a.x.is_cuda and torch.equal(a.x.cpu(), b.x) and torch.equal(a.w_gate.cpu(), b.w_gate)
 
 
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_timing_on_a_second_gpu_times_that_gpu():
+    """Events must record on the benchmark's device: recorded on cuda:0 around work queued on cuda:1
+    they time nothing."""
+    import time
+
+    torch.cuda.set_device(0)
+    a = torch.randn(8192, 8192, device="cuda:1", dtype=torch.bfloat16)
+
+    def work():
+        for _ in range(4):
+            a @ a
+
+    timed = time_alternating({"mm": work}, "cuda:1", reps=5, warmup=1, flush_l2=False)["mm"].median_ms
+    torch.cuda.synchronize(1)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        work()
+    torch.cuda.synchronize(1)
+    wall = (time.perf_counter() - t0) / 5 * 1e3
+    assert 0.5 * wall < timed < 1.5 * wall, (timed, wall)
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_benchmark_on_a_second_gpu(tmp_path):
+    """The whole harness on cuda:1 (kernels, poison, energy of that card) while cuda:0 is current."""
+    torch.cuda.set_device(0)
+    cfg = _tiny_cfg(tmp_path, device="cuda:1", impls=("twell-kernel",), cases=("nnz29-heavy",), Ms=(4096,),
+                    D=512, H=1536, odd_M=3001, odd_H=1000, energy=True, energy_seconds=0.3)
+    result = bench_ffn.BenchRunner(cfg, registry=default_registry(), progress=False).run()
+    assert result["failures"] == [] and bench_ffn.exit_code(result) == 0
+    for rec in result["cases"]:
+        r = rec["impls"]["twell-kernel"]
+        assert r["ok"] and r["poison_hit"] and r["timing"]["median_ms"] > 0.01  # output landed in poisoned memory
+    try:
+        from twell.bench.energy import EnergyMeter, EnergyUnavailable
+        meter = EnergyMeter("cuda:1")
+    except (ImportError, EnergyUnavailable) as exc:
+        pytest.skip(f"no NVML energy counter: {exc}")
+    uuid = meter._nvml.nvmlDeviceGetUUID(meter.handle)
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    assert uuid.lower().removeprefix("gpu-") == str(torch.cuda.get_device_properties(1).uuid).lower()
+
+
 # -- activity statistics (twell.bench.activity) --------------------------------------------------------
 def test_union_reuse_extremes_and_a_hand_count():
     from twell.bench.activity import union_reuse

@@ -899,6 +899,9 @@ def test_bad_inputs_raise_clearly():
         kernels.twell_gate(x.float(), wg)
     with pytest.raises(ValueError, match="multiple of 64"):
         kernels.twell_gate(x[:, :100].contiguous(), wg[:, :100].contiguous())
+    with pytest.raises(ValueError, match="positive multiple of 64, got D=0"):
+        kernels.sparse_gated_ffn(x[:, :0].contiguous(), wg[:, :0].contiguous(), wu[:, :0].contiguous(),
+                                 wdt[:, :0].contiguous())
     with pytest.raises(ValueError, match="CUDA"):
         kernels.twell_gate(x.cpu(), wg.cpu())
     with pytest.raises(ValueError, match="contiguous"):
@@ -992,7 +995,8 @@ g = kernels.twell_gate(x, w)
 cases = {
     "compression 0": lambda: ext.gate_twell(x, w, 256, 0),
     "compression 3": lambda: ext.gate_twell(x, w, 256, 3),
-    "D must be a multiple of 64, got 200": lambda: ext.gate_twell(x[:, :200].contiguous(), w[:, :200].contiguous(), 256, 8),
+    "D must be a positive multiple of 64, got 200": lambda: ext.gate_twell(x[:, :200].contiguous(), w[:, :200].contiguous(), 256, 8),
+    "D must be a positive multiple of 64, got 0": lambda: ext.gate_twell(x[:, :0].contiguous(), w[:, :0].contiguous(), 256, 8),
     "sparse_ffn: unsupported tile 256 / compression 0": lambda: ext.sparse_ffn(x, w, w, w, 256, 0),
     "twell.ffn: unsupported tile 256 / compression 0": lambda: ext.ffn_forward(x, g.packed, g.spill, None, w, w, 256, 0),
 }
@@ -1006,7 +1010,7 @@ for want, call in cases.items():
         raise AssertionError("no error: " + want)
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0 and p.stdout.count("raised:") == 5, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert p.returncode == 0 and p.stdout.count("raised:") == 6, (p.returncode, p.stdout, p.stderr[-3000:])
 
 
 def test_torch_compile_with_dynamic_shapes():
@@ -1252,3 +1256,39 @@ def test_module_runs_in_a_cuda_graph():
         assert torch.equal(static_out, eager)
         assert torch.equal(static_out, ffn(x2))
     check_ffn(static_out, x2, wg, wu, wd)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_ops_and_module_on_a_second_gpu(fused_path):
+    """Inputs on cuda:1 while cuda:0 is current: every op runs on its inputs' device (heavy, dense and
+    empty rows included), a module moved there after a call on cuda:0 drops its cached W_down^T, and
+    the current device is left as it was."""
+    torch.cuda.set_device(0)
+    x, wg, wu, wd = (t.to("cuda:1") for t in inputs(3000, 2048, 5632, nnz=29, tail=0.35, dense_rows=[3],
+                                                      zero_rows=[4]))
+    wdt = wd.t().contiguous()
+    out = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+    assert out.device == x.device
+    check_ffn(out, x, wg, wu, wd)
+    gate = kernels.twell_gate(x, wg)
+    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt), x, wg, wu, wd)
+    check_ffn(kernels.twell_ffn(kernels.twell_gate(x, wu), wdt), x, wg, wu, wd, gated=False)
+    ffn = module_with(*(t.to("cuda:0") for t in (wg, wu, wd)))
+    with torch.no_grad():
+        ffn.path = "kernel"
+        ffn(x.to("cuda:0"))  # fills the transpose cache on cuda:0
+        ffn.to("cuda:1")
+        moved = ffn(x)
+    assert moved.device == x.device and ffn.last_path == "twell-kernel"
+    check_ffn(moved, x, wg, wu, wd)
+    # Tensors on two GPUs in one call are refused, by the Python ops and by the extension itself.
+    gate0 = kernels.twell_gate(x.to("cuda:0"), wg.to("cuda:0"))
+    with pytest.raises(ValueError, match="on cuda:1 .*all inputs must be on one device"):
+        kernels.twell_gated_ffn(x, gate0, wu, wdt)
+    ext = kernels.load()
+    with pytest.raises(RuntimeError, match="w_down_t is on cuda:0, x on cuda:1"):
+        ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt.to("cuda:0"), 256, 8)
+    with pytest.raises(RuntimeError, match="the spill area is on cuda:0, x on cuda:1"):
+        ext.ffn_plan(x, gate.packed, gate0.spill, wu, wdt, 256, 8, 1.0, 0.0)
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0

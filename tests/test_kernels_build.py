@@ -1,4 +1,5 @@
 """Tests of twell.kernels.build: flags, build-cache hashing, available() reasons, the JIT loader."""
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -180,7 +181,9 @@ def test_build_error_shows_compiler_output_and_cache_path(tmp_path):
     with pytest.raises(build.BuildError) as again:
         loader.load(spec)
     assert again.value is info.value and time.perf_counter() - t0 < 0.5
-    with pytest.raises(build.BuildError):
+    # A retry compiles again and shows the compiler's output (torch's in-process record of the name
+    # skipped ninja and imported a library that was never built).
+    with pytest.raises(build.BuildError, match="deliberate build failure"):
         loader.load(spec, retry=True)
 
 
@@ -303,3 +306,92 @@ def test_load_reuses_the_module_without_rehashing(monkeypatch):
     calls.clear()
     monkeypatch.setattr(build.ExtensionLoader, "load", lambda self, *a, **k: calls.append(1) or "rebuilt")
     assert build.load(retry=True) == "rebuilt" and calls == [1]
+
+
+_LOAD_IN_A_PROCESS = """
+import sys
+from pathlib import Path
+from twell.kernels import build
+spec = build.ExtensionSpec.from_dir(Path(sys.argv[1]), build_root=Path(sys.argv[2]))
+try:
+    build.ExtensionLoader().load(spec)
+    print("LOADED")
+except build.BuildError as err:
+    print("BUILD ERROR", "deliberate build failure" in str(err))
+"""
+
+
+def _load_in_a_process(ext: str, root: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _LOAD_IN_A_PROCESS, str(DATA / ext), str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@needs_cxx
+def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path):
+    """torch's lock file stays behind when a build is killed (OOM, a job's time limit); the next build
+    must not wait on it forever."""
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    spec.build_dir.mkdir(parents=True)
+    (spec.build_dir / "lock").write_text("")  # what a killed build leaves
+    proc = _load_in_a_process("tiny_cpu_ext", tmp_path)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the build waited on the stale lock file")
+    assert "LOADED" in out, out[-2000:]
+
+
+@needs_cxx
+def test_two_processes_building_at_once_both_show_the_compiler_output(tmp_path):
+    procs = [_load_in_a_process("broken_ext", tmp_path) for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all("BUILD ERROR True" in out for out in outs), [out[-1000:] for out in outs]
+
+
+def test_cuda_home_reaches_cpp_extension_after_its_import(tmp_path, monkeypatch):
+    """torch reads CUDA_HOME when cpp_extension is imported; where it took a wrapper's folder without the
+    CUDA headers, the build must use the toolkit find_cuda_home found."""
+    from torch.utils import cpp_extension
+
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setattr(build, "find_cuda_home", lambda: home)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local")  # a wrapper nvcc in /usr/local/bin
+    seen = []
+
+    def fake_load(**kw):
+        seen.append(cpp_extension.CUDA_HOME)
+        raise RuntimeError("stop before compiling")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    spec = _spec_in(tmp_path, {"k.cpp": "int f() { return 1; }"})
+    with pytest.raises(build.BuildError, match="stop before compiling"):
+        build.ExtensionLoader().load(spec)
+    assert seen == [str(home)]
+
+
+def test_an_unusable_build_directory_is_a_build_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_HOME", raising=False)  # the build may set it: restored after the test
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    spec = _spec_in(tmp_path, {"k.cpp": "int f() { return 1; }"})
+    spec = dataclasses.replace(spec, build_root=blocker / "cache")
+    with pytest.raises(build.BuildError, match="cannot use the build directory"):
+        build.ExtensionLoader().load(spec)
+    # available() says so instead of raising
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setenv("TWELL_BUILD_DIR", str(blocker / "cache"))
+    build._prerequisites.cache_clear()
+    build.default_loader().default_module = None
+    monkeypatch.setattr(build, "default_loader", lambda: build.ExtensionLoader())
+    ok, why = kernels.available()
+    assert not ok and "cannot use the build directory" in why
+
+
+def test_a_layer_of_width_zero_is_unsupported():
+    assert "positive multiple of 64" in kernels.layer_unsupported(0, 300)
+    assert kernels.layer_unsupported(64, 300) == ""

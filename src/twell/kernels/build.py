@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -277,35 +278,66 @@ class ExtensionLoader:
 
         home = find_cuda_home()
         if home is not None and not os.environ.get("CUDA_HOME"):
-            os.environ["CUDA_HOME"] = str(home)  # cpp_extension takes nvcc and the CUDA headers from it
+            os.environ["CUDA_HOME"] = str(home)
+        # cpp_extension read CUDA_HOME when it was first imported (before this function): where its
+        # choice lacks the CUDA headers (an nvcc wrapper on PATH, /usr/local/bin/nvcc here), use ours.
+        torch_home = getattr(cpp_extension, "CUDA_HOME", None)
+        if home is not None and not (torch_home and (Path(torch_home) / "include" / "cuda_runtime.h").is_file()):
+            cpp_extension.CUDA_HOME = str(home)
         os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
         build_dir = spec.build_dir
-        build_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         try:
-            module = cpp_extension.load(
-                name=spec.module_name,
-                sources=[str(p) for p in spec.sources],
-                extra_cflags=list(spec.cxx_flags),
-                extra_cuda_cflags=list(spec.nvcc_flags),
-                extra_ldflags=list(spec.link_flags()),
-                extra_include_paths=sorted({str(Path(p).parent) for p in spec.sources}),
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
-        except Exception as exc:  # cpp_extension raises RuntimeError/OSError/ImportError with the log
-            text = str(exc)
-            (build_dir / "build_error.log").write_text(text)
-            tail = text[-LOG_TAIL_CHARS:]
-            raise BuildError(
-                f"building the twell CUDA extension failed ({type(exc).__name__}).\n"
-                f"build dir: {build_dir}  (full log: {build_dir / 'build_error.log'})\n"
-                f"compiler output (tail):\n{tail}", build_dir, tail) from exc
-        (build_dir / "build_info.txt").write_text(
-            f"module {spec.module_name}\nseconds {time.perf_counter() - started:.1f}\n"
-            f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {nvcc_version()}\n"
-            f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n"
-            f"cxx {cxx_compiler()} ldflags {' '.join(spec.link_flags())}\n")
+            build_dir.mkdir(parents=True, exist_ok=True)
+            lock = (build_dir / ".twell-build.lock").open("w")
+        except OSError as exc:
+            raise BuildError(f"cannot use the build directory {build_dir}: {exc}", build_dir, str(exc)) from exc
+        with lock:
+            # One build per directory at a time. The kernel drops this lock when its holder dies, unlike
+            # torch's own lock file, which a killed build leaves behind (every later build would wait on
+            # it forever): found while holding ours, it is stale.
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"[twell] waiting for another process building the kernels in {build_dir}", flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            # torch skips ninja for a name it has loaded or tried in this process: a retry, or a build another
+            # process failed while this one waited, would import a library that was never built.
+            versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+            if versioner is not None:
+                versioner.entries.pop(spec.module_name, None)
+            try:
+                module = cpp_extension.load(
+                    name=spec.module_name,
+                    sources=[str(p) for p in spec.sources],
+                    extra_cflags=list(spec.cxx_flags),
+                    extra_cuda_cflags=list(spec.nvcc_flags),
+                    extra_ldflags=list(spec.link_flags()),
+                    extra_include_paths=sorted({str(Path(p).parent) for p in spec.sources}),
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                )
+            except Exception as exc:  # cpp_extension raises RuntimeError/OSError/ImportError with the log
+                text = str(exc)
+                log = build_dir / "build_error.log"
+                try:
+                    log.write_text(text)
+                except OSError as log_exc:
+                    log = f"not written: {log_exc}"
+                tail = text[-LOG_TAIL_CHARS:]
+                raise BuildError(
+                    f"building the twell CUDA extension failed ({type(exc).__name__}).\n"
+                    f"build dir: {build_dir}  (full log: {log})\n"
+                    f"compiler output (tail):\n{tail}", build_dir, tail) from exc
+            try:
+                (build_dir / "build_info.txt").write_text(
+                    f"module {spec.module_name}\nseconds {time.perf_counter() - started:.1f}\n"
+                    f"torch {torch.__version__} cuda {torch.version.cuda} nvcc {nvcc_version()}\n"
+                    f"nvcc_flags {' '.join(spec.nvcc_flags)}\ncxx_flags {' '.join(spec.cxx_flags)}\n"
+                    f"cxx {cxx_compiler()} ldflags {' '.join(spec.link_flags())}\n")
+            except OSError:
+                pass  # a record for people, not needed to run
         return module
 
 

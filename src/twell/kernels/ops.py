@@ -33,7 +33,7 @@ from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_ga
 
 # The kernels' shape limits, once: the ops raise them, layer_unsupported reports them.
 def _width_limit(D: int) -> str:
-    return f"the TwELL kernels need D to be a multiple of 64, got D={D}" if D % 64 else ""
+    return f"the TwELL kernels need D to be a positive multiple of 64, got D={D}" if D % 64 or D <= 0 else ""
 
 
 def _fused_limit(D: int) -> str:
@@ -150,6 +150,9 @@ def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8)
 def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
          union: Optional[tuple[float, float]] = None) -> Tensor:
     _fused_kernel_checks(x)
+    for name, t in (("the TwELL's words", gate.packed), ("the TwELL's spill area", gate.spill)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} are on {t.device}, x on {x.device}")
     check_aligned(x=x, w_up=w_up, w_down_t=w_down_t, packed=gate.packed, spill=gate.spill)
     ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
     # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
