@@ -140,6 +140,28 @@ def test_find_bench_json_picks_newest_gpu_result_by_timestamp(tmp_path):
     assert ks.find_bench_json([tmp_path / "missing"]) is None
 
 
+
+def test_a_timestamp_without_a_zone_is_read_as_utc(tmp_path):
+    (tmp_path / "ffn-aware.json").write_text(json.dumps(_result("2026-03-01T12:00:00+00:00")))
+    (tmp_path / "ffn-naive.json").write_text(json.dumps(_result("2026-03-01T13:00:00")))  # written by hand
+    assert ks.find_bench_json([tmp_path]) == tmp_path / "ffn-naive.json"
+
+
+def test_a_near_miss_is_not_shown_as_the_bar(cpu_run):
+    """2.1996x at the nnz 29 bar of 2.2x: the table's 4 digits would read 2.2 next to "no"."""
+    import copy
+
+    result = copy.deepcopy(cpu_run.result)
+    rec = result["cases"][0]
+    rec["case"].update(kind="inference", M=65536, D=2048, H=5632, sparsity="nnz29")
+    impl = next(iter(rec["impls"]))
+    rec["impls"][impl].update(ok=True, speedup=2.1996)
+    run = ks.BenchRun(result, None, this_run=True)
+    row = ks.speedup_table(run, impl).iloc[0]
+    assert row["meets bar"] == "no (2.19960x)"
+    assert any("2.200x" in line and "met: no (2.19960x)" in line for line in ks.summary_lines(ks.speedup_table(run, impl)))
+
+
 def test_bench_dirs_include_the_repository_results(tmp_path):
     dirs = ks.bench_dirs(tmp_path / "rep")
     assert dirs == [tmp_path / "rep" / "bench", repo_root() / "reports" / "bench"]
@@ -220,7 +242,7 @@ def test_meets_bar_needs_speed_and_correctness(cpu_run):
     assert table["published"].iloc[1] == ks.PUBLISHED_HEAVY and table["correct"].iloc[1] == "no"
     assert (table["in this run"] == "NO (earlier run)").all()
     lines = "\n".join(ks.summary_lines(table))
-    assert "bar met in 2 of 4" in lines and f"{table['speedup'].iloc[0]:.2f}x" in lines
+    assert "bar met in 2 of 4" in lines and f"{table['speedup'].iloc[0]:.3f}x" in lines
 
 
 def test_plot_speedup_marks_cases_ceiling_and_provenance(cpu_run, tmp_path):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from twell import kernels, reference
 from twell.formats import pack_twell
 from twell.kernels.ops import SPARSE_FFN_COMPRESSION
+from twell.reference.ffn import UNION_RULE
 
 pytestmark = pytest.mark.gpu
 
@@ -658,12 +659,59 @@ def test_choose_union_paths_times_dense_against_sparse_for_auto_layers(monkeypat
     with pytest.warns(UserWarning):
         report = choose_union_paths(f, x)
     assert report[0]["runs"] is None and not calls
-    # A layer "auto" would not run on the kernels: tracking (dense for its statistics).
+    # A layer "auto" would not run on the kernels: tracking (dense for its statistics). Nothing is
+    # planned or timed for it (so no warning about few tokens either), and it keeps no rule.
     f.path = "auto"
     f.track = True
-    with pytest.warns(UserWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         report = choose_union_paths(f, x)
     assert report[0]["runs"] is None and not calls and f.last_path == "dense"
+    assert "runs dense" in report[0]["why"] and report[0]["per_row_ms"] is None and f.union == (0.0, 0.0)
+
+
+
+def test_choose_union_paths_measures_what_each_layer_runs_and_changes_nothing_on_an_error(monkeypatch):
+    """Layers called with keywords (a custom model); an fp32 input under autocast, which "auto" runs dense,
+    gets no rule and no timing; an error on the second layer leaves the first one as it was."""
+    from twell.model import choose_union_paths, union_paths
+
+    x, wg, wu, wd = inputs(4096, 512, 1024, nnz=40, seed=7)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = module_with(wg, wu, wd), module_with(wg, wu, wd)
+
+        def forward(self, h):
+            return self.b(x=self.a(x=h))
+
+    model = Two()
+    monkeypatch.setattr(union_paths, "ffn_times", lambda *a: (1.0, 0.5))
+    monkeypatch.setattr(union_paths, "path_times", lambda *a: (2.0, 1.0))
+    with pytest.warns(UserWarning, match="calibration tokens"):
+        report = choose_union_paths(model, x, min_share=0.0)
+    assert [r["union"] for r in report] == [UNION_RULE] * 2 and [r["runs"] for r in report] == ["sparse"] * 2
+    assert model.a.union == model.b.union == UNION_RULE
+    model.a.union = model.b.union = (0.0, 0.0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (r,) = choose_union_paths(model.a, x.float(), min_share=0.0)
+    assert r["union"] == (0.0, 0.0) and r["per_row_ms"] is None and r["runs"] is None and model.a.union == (0.0, 0.0)
+    assert "path 'auto' runs dense" in r["why"] and "float32" in r["why"], r
+    calls = []
+
+    def second_fails(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return 1.0, 0.5
+
+    monkeypatch.setattr(union_paths, "ffn_times", second_fails)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        choose_union_paths(model, x, min_share=0.0)
+    assert "layer 1 (no layer was changed)" in "".join(getattr(err.value, "__notes__", []))
+    assert model.a.union == model.b.union == (0.0, 0.0)
 
 
 def test_choose_union_paths_auto_layer_runs_what_it_timed():

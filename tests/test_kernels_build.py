@@ -1,5 +1,6 @@
 """Tests of twell.kernels.build: flags, build-cache hashing, available() reasons, the JIT loader."""
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -344,9 +345,46 @@ def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path):
 
 @needs_cxx
 def test_two_processes_building_at_once_both_show_the_compiler_output(tmp_path):
-    procs = [_load_in_a_process("broken_ext", tmp_path) for _ in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    """Both wait while the test holds the build lock, then build at once: each must show the compiler's
+    output (the one that waited on torch's lock imported a library that was never built)."""
+    import fcntl
+
+    spec = build.ExtensionSpec.from_dir(DATA / "broken_ext", build_root=tmp_path)
+    spec.build_dir.mkdir(parents=True)
+    held = os.open(spec.build_dir / ".twell-build.lock", os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    logs = [tmp_path / f"out{i}.txt" for i in range(2)]
+    procs = []
+    try:
+        for log in logs:
+            with log.open("w") as fh:
+                procs.append(subprocess.Popen([sys.executable, "-c", _LOAD_IN_A_PROCESS, str(DATA / "broken_ext"),
+                                               str(tmp_path)], stdout=fh, stderr=subprocess.STDOUT, text=True))
+        deadline = time.time() + 120
+        while not all("waiting for another process" in log.read_text() for log in logs):
+            assert time.time() < deadline, [log.read_text()[-500:] for log in logs]
+            assert all(p.poll() is None for p in procs), [log.read_text()[-500:] for log in logs]
+            time.sleep(0.2)
+    finally:
+        os.close(held)  # both start building now
+    for p in procs:
+        p.wait(timeout=240)
+    outs = [log.read_text() for log in logs]
     assert all("BUILD ERROR True" in out for out in outs), [out[-1000:] for out in outs]
+
+
+@needs_cxx
+def test_a_file_system_without_flock_still_builds(tmp_path, monkeypatch):
+    import errno
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(build.fcntl, "flock", no_locks)
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    with pytest.warns(UserWarning, match="no file lock"):
+        module = build.ExtensionLoader().load(spec)
+    assert module.add_scaled(1.0, 2.0, 3.0) == 7.0
 
 
 def test_cuda_home_reaches_cpp_extension_after_its_import(tmp_path, monkeypatch):

@@ -272,7 +272,8 @@ def test_only_the_default_rope_is_loaded_however_the_config_spells_it():
         with pytest.raises(ValueError, match="only the default RoPE"):
             from_hf_dict({**base, **bad})
     for fine in ({"rope_theta": 5e5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
-                 {"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}}):
+                 {"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}},
+                 {"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}):
         assert from_hf_dict({**base, **fine})[0].rope_theta == 5e5
     no_width = {k: v for k, v in base.items() if k != "intermediate_size"}
     with pytest.raises(ValueError, match="intermediate_size"):
@@ -395,3 +396,21 @@ def test_saving_again_into_a_folder_leaves_no_earlier_shards(tmp_path):
     ids = _ids(mc)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+def test_exported_token_ids_reach_generate(tmp_path):
+    """A training export writes the data's eos/bos ids into config.json (extra_config); generate() reads
+    generation_config.json, which must say the same. Exports before session 37 wrote the build-time ids
+    there: a generation config derived from the model config is derived again from config.json."""
+    mc = _random_cfg()
+    model = build_model(mc)  # token ids 0, as a training run builds it
+    save_pretrained(model, None, tmp_path, extra_config={"eos_token_id": 7, "bos_token_id": 7})
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 7
+    loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
+    assert (loaded.generation_config.eos_token_id, loaded.generation_config.bos_token_id) == (7, 7)
+    assert model.generation_config.eos_token_id == 0  # the model itself is not changed
+    stale = json.loads((tmp_path / "generation_config.json").read_text())
+    stale.update(eos_token_id=0, bos_token_id=0, _from_model_config=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps(stale))
+    loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
+    assert loaded.generation_config.eos_token_id == 7

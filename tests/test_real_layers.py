@@ -100,6 +100,25 @@ def test_bar_brackets_name_the_nearest_correct_layers(bench_dir):
     assert empty["below nnz"].isna().all() and (empty["above layer"] == "").all()
 
 
+
+def test_another_gpu_with_the_same_stamp_is_kept_apart(bench_dir):
+    """Runs on two GPUs may share a file stamp and tag: the bars (H100 numbers) bracket H100 layers only,
+    and the figure counts two runs, not one."""
+    other = _result("2026-11-25T10:00:00+00:00", [_case(0, 28.5, {"twell-kernel": 2.6})])
+    other["meta"]["device_name"] = "NVIDIA H200"
+    (bench_dir / "ffn-NVIDIA-H200-x.json").write_text(json.dumps(other))
+    (bench_dir / "ffn-NVIDIA-H100-80GB-HBM3-x.json").write_text(json.dumps(
+        _result("2026-11-25T10:00:00+00:00", [_case(0, 28.0, {"twell-kernel": 2.1})])))
+    t = rl.real_layer_table([bench_dir])
+    assert len(t[t["run"] == "x"]) == 2
+    h100 = rl.bar_brackets(t, "twell-kernel").set_index("bar case")
+    assert (h100.loc["nnz29", "below nnz"], h100.loc["nnz29", "below layer"]) == (28.0, "x layer 0")
+    anywhere = rl.bar_brackets(t, "twell-kernel", device=None).set_index("bar case")
+    assert anywhere.loc["nnz29", "below layer"] == "x layer 0 (NVIDIA H200)"
+    fig = rl.plot_real_layers(t[t["run"] == "x"])
+    assert "2 layers of 2 benchmark runs" in fig._suptitle.get_text()
+
+
 def test_plot_marks_layers_bars_generator_and_wrong_results(bench_dir):
     t = rl.real_layer_table([bench_dir])
     gen = rl.pd.DataFrame([{"shape": "inference", "M": 65536, "case": c, "nnz mean": n, "speedup": s,

@@ -184,10 +184,14 @@ def test_evaluation_settings_fail_before_training(tmp_path, smoke_data):
         run(_cfg(smoke_data, eval_tokens=64), out=tmp_path / "c")
 
 
-def test_wall_clock_guard_counts_the_next_evaluation(tmp_path, smoke_data, monkeypatch):
-    """Steps of 0.1 s, each followed by a 2 s evaluation, on a clock the test drives: the guard must stop
-    before an evaluation would end past the deadline (limit - reserve), which leaves the reserve to the
-    final save and export. (Counting steps only, it ran one more step and evaluation, to 10.5 s of 10.)"""
+@pytest.mark.parametrize("steps,eval_every,eval_s,want_steps,want_wall", [
+    (100_000, 1, 2.0, 4, 8.4), (5, 1, 2.0, 4, 8.4), (100_000, 3, 4.0, 6, 8.6)])
+def test_wall_clock_guard_counts_the_next_evaluation(tmp_path, smoke_data, monkeypatch, steps, eval_every, eval_s,
+                                                     want_steps, want_wall):
+    """Steps of 0.1 s and evaluations of eval_s, on a clock the test drives, deadline 9 s (limit 10, reserve
+    1): the guard must stop before the next step and an evaluation would end past the deadline (a run's
+    last step evaluates, and so does a stop on a step that did not), which leaves the reserve to the final
+    save and export. Counting steps only, the first case ran to 10.5 s and the third to 12.8 s."""
     import types
 
     from twell.train import loop
@@ -201,15 +205,15 @@ def test_wall_clock_guard_counts_the_next_evaluation(tmp_path, smoke_data, monke
         return step(self, i)
 
     def timed_eval(self):
-        clock[0] += 2.0
+        clock[0] += eval_s
         return evaluate(self)
 
     monkeypatch.setattr(loop.Trainer, "_train_step", timed_step)
     monkeypatch.setattr(loop.Trainer, "evaluate", timed_eval)
-    res = run(_cfg(smoke_data, steps=100_000, max_wall_seconds=10.0, wall_reserve_s=1.0, eval_every=1,
+    res = run(_cfg(smoke_data, steps=steps, max_wall_seconds=10.0, wall_reserve_s=1.0, eval_every=eval_every,
                    ckpt_every=100_000), out=tmp_path / "w")
-    assert res.summary["stopped_early"] and res.summary["steps_done"] == 4
-    assert res.summary["process_wall_seconds"] == pytest.approx(8.4)  # last evaluation ended before 9 s
+    assert res.summary["stopped_early"] and res.summary["steps_done"] == want_steps
+    assert res.summary["process_wall_seconds"] == pytest.approx(want_wall)  # <= 9 s: the reserve is left
 
 
 def test_refused_resume_keeps_the_runs_config_yaml(tmp_path, smoke_data):

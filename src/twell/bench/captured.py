@@ -125,11 +125,12 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     chunks: dict[int, list[torch.Tensor]] = {i: [] for i in keep}
 
     def hook(i):
-        def pre(_mod, args):
-            chunks[i].append(args[0].reshape(-1, args[0].shape[-1]).to("cpu", torch.bfloat16))
+        def pre(_mod, args, kw):
+            x = args[0] if args else kw["x"]  # a custom model may call mlp(x=h)
+            chunks[i].append(x.reshape(-1, x.shape[-1]).to("cpu", torch.bfloat16))
         return pre
 
-    handles = [ffns[i].register_forward_pre_hook(hook(i)) for i in keep]
+    handles = [ffns[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in keep]
     bar = None
     if progress:
         try:

@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -289,19 +290,27 @@ class ExtensionLoader:
         started = time.perf_counter()
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
-            lock = (build_dir / ".twell-build.lock").open("w")
+            # read-only: a lock file another user created stays usable; flock needs no write access
+            lock = os.open(build_dir / ".twell-build.lock", os.O_RDONLY | os.O_CREAT, 0o666)
         except OSError as exc:
             raise BuildError(f"cannot use the build directory {build_dir}: {exc}", build_dir, str(exc)) from exc
-        with lock:
+        try:
             # One build per directory at a time. The kernel drops this lock when its holder dies, unlike
             # torch's own lock file, which a killed build leaves behind (every later build would wait on
             # it forever): found while holding ours, it is stale.
+            locked = True
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 print(f"[twell] waiting for another process building the kernels in {build_dir}", flush=True)
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
+            except OSError as exc:  # a file system without flock (NFS without locking, some FUSE mounts)
+                locked = False
+                warnings.warn(f"no file lock in {build_dir} ({exc}): building without one, under torch's lock "
+                              "file only (a build killed there leaves it behind: delete "
+                              f"{build_dir / 'lock'} if a build waits forever)", stacklevel=3)
+            if locked:
+                (build_dir / "lock").unlink(missing_ok=True)
             # torch skips ninja for a name it has loaded or tried in this process: a retry, or a build another
             # process failed while this one waited, would import a library that was never built.
             versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
@@ -338,6 +347,8 @@ class ExtensionLoader:
                     f"cxx {cxx_compiler()} ldflags {' '.join(spec.link_flags())}\n")
             except OSError:
                 pass  # a record for people, not needed to run
+        finally:
+            os.close(lock)  # releases the flock
         return module
 
 

@@ -210,7 +210,7 @@ def from_hf_dict(d: Mapping[str, Any]) -> tuple[ModelConfig, dict[str, Any]]:
         else:
             raise ValueError(f"unsupported hidden_act {act!r}: twell models use 'relu' (sparse) or 'silu' (dense)")
     params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), Mapping) else {}
-    theta = d.get("rope_theta", params.get("rope_theta"))
+    theta = d.get("rope_theta") if d.get("rope_theta") is not None else params.get("rope_theta")
     # Checked whatever else the config says: a top-level rope_theta beside a llama3 / yarn RoPE is common.
     for key, spec in (("rope_parameters", params), ("rope_scaling", d.get("rope_scaling") or {})):
         rtype = spec.get("rope_type", spec.get("type", "default")) if isinstance(spec, Mapping) else spec

@@ -76,6 +76,14 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
         cfg.twell_tokenizer = dict(tokenizer_choice)
     for k, v in (extra_config or {}).items():
         setattr(cfg, k, v)
+    # generation_config.json must name the same token ids as config.json (generate() stops on its eos)
+    saved_gen = getattr(model, "generation_config", None)
+    if saved_gen is not None:
+        gen = copy.deepcopy(saved_gen)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if k in (extra_config or {}):
+                setattr(gen, k, extra_config[k])
+        model.generation_config = gen
     model.config = cfg
     # An earlier save's shards and index would sit beside this one's (a sharded index pointing at deleted
     # shards next to a new single file): loaders that read the index would break.
@@ -87,6 +95,8 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
         model.save_pretrained(str(path), state_dict=state, max_shard_size=max_shard_size)
     finally:
         model.config = saved_cfg
+        if saved_gen is not None:
+            model.generation_config = saved_gen
     # transformers writes the dtype of the live parameters; record the dtype actually stored.
     cfg_file = path / "config.json"
     written = json.loads(cfg_file.read_text())
@@ -210,7 +220,11 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     if (ckpt / "generation_config.json").is_file():  # as from_pretrained does: generate() stops where it should
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(str(ckpt))
+        gen = GenerationConfig.from_pretrained(str(ckpt))
+        # One derived from the model config is derived again from this config.json: exports before
+        # session 37 wrote the build-time token ids (0) there and the data's ids in config.json.
+        model.generation_config = (GenerationConfig.from_model_config(model.config)
+                                   if getattr(gen, "_from_model_config", False) else gen)
     dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")

@@ -78,62 +78,86 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     if not ok:
         raise RuntimeError(f"choosing union paths needs the TwELL kernels: {why}")
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(ffns))}
-    hooks = [f.register_forward_pre_hook(lambda mod, a, i=i: seen[i].append(a[0].detach().reshape(-1, a[0].shape[-1])))
-             for i, f in enumerate(ffns)]
+
+    def keep(i):
+        def hook(mod, args, kw):
+            x = args[0] if args else kw["x"]  # a custom model may call mlp(x=h)
+            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
+        return hook
+
+    hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(ffns)]
     try:
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
         for h in hooks:
             h.remove()
-    report = []
-    for i, f in enumerate(ffns):
+    for i in range(len(ffns)):
         if not seen[i]:
             raise RuntimeError(f"layer {i}: the SparseFFN was not called by the calibration forward")
-        seen_x = torch.cat(seen[i])
-        x = seen_x.to(torch.bfloat16).contiguous()
+    # Every layer is measured first and changed only after the last one: an error on layer k (out of
+    # memory, say) leaves the model as it was.
+    report, settings = [], []
+    for i, f in enumerate(ffns):
+        try:
+            row, auto_choice = _choose_one(f, i, torch.cat(seen[i]), kernels, rule, min_share, timed, reps, min_gain)
+        except Exception as exc:
+            exc.add_note(f"choose_union_paths: while measuring layer {i} (no layer was changed)")
+            raise
         seen[i] = []
-        row = {"layer": i, "tokens": x.shape[0], "active_per_token": None,
-               "blocks": -(-x.shape[0] // UNION_BLOCK), "union_blocks": 0, "share": 0.0, "per_row_ms": None,
-               "union_ms": None, "union": (0.0, 0.0), "dense_ms": None, "sparse_ms": None, "runs": None, "why": ""}
-        reason = _unsupported(f, x)
-        # "auto" gets timed only where it would run the kernels on these inputs: not a tracking layer
-        # (dense for its statistics), not an input dtype or tiling the sparse paths refuse.
-        time_auto = timed and reason is None and f.path == "auto" and f.auto_route(seen_x)[0] == "kernel"
-        if reason is None:
-            gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)
-            plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), ratio=rule[0], base=rule[1])
-            share = plan["union_blocks"] / row["blocks"]
-            row.update(active_per_token=float(gate.nnz_per_row().float().mean()), union_blocks=plan["union_blocks"],
-                       share=share)
-            reason = f"{share:.0%} of blocks qualify ({'>=' if share >= min_share else '<'} {min_share:.0%})"
-            if (time_auto or timed and share >= min_share) and x.shape[0] < MIN_TIMED_TOKENS:
-                warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
-                              "the paths is noisy (the union / per-row ratio moved by up to 0.2 at 4096 tokens), so the "
-                              "choice may flip between calls", stacklevel=2)
-            if share >= min_share and timed:
-                per_row, union = ffn_times(f, x, rule, reps)
-                row.update(per_row_ms=per_row, union_ms=union)
-                reason += f"; sparse FFN {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
-                if union <= per_row * (1.0 - min_gain):
-                    row["union"] = rule
-                else:
-                    reason += f" (needs {min_gain:.0%} less)"
-            elif share >= min_share:
-                row["union"] = rule
-        f.union = row["union"]
-        if time_auto:
-            dense, sparse = path_times(f, x, row["union"], reps)
-            runs = "dense" if dense <= sparse * (1.0 - min_gain) else "sparse"
-            row.update(dense_ms=dense, sparse_ms=sparse, runs=runs)
-            verdict = f"{runs} (dense {dense:.3f} ms, sparse {sparse:.3f} ms)"
-            reason += f"; auto runs {verdict}"
-            active = 100 * row["active_per_token"] / f.intermediate_size
-            f.set_auto_choice(runs == "dense", f"auto: {verdict}, timed by choose_union_paths on "
-                                               f"{x.shape[0]} tokens ({active:.2f}% active)")
-        row["why"] = reason
         report.append(row)
+        settings.append((f, row["union"], auto_choice))
+    for f, union, auto_choice in settings:
+        f.union = union
+        if auto_choice is not None:
+            f.set_auto_choice(*auto_choice)
     return report
+
+
+def _choose_one(f, i: int, seen_x: torch.Tensor, kernels, rule, min_share: float, timed: bool, reps: int,
+                min_gain: float) -> tuple[dict, Optional[tuple[bool, str]]]:
+    """One layer's report row and, for a timed "auto" layer, its (dense?, note) choice."""
+    x = seen_x.to(torch.bfloat16).contiguous()
+    row = {"layer": i, "tokens": x.shape[0], "active_per_token": None,
+           "blocks": -(-x.shape[0] // UNION_BLOCK), "union_blocks": 0, "share": 0.0, "per_row_ms": None,
+           "union_ms": None, "union": (0.0, 0.0), "dense_ms": None, "sparse_ms": None, "runs": None, "why": ""}
+    # Only where the layer runs the kernels on these inputs (as it received them, before the bf16 copy):
+    # anything else would report and time a path the layer never takes.
+    reason = _unsupported(f, x) or _not_on_kernels(f, seen_x)
+    auto_choice = None
+    time_auto = timed and reason is None and f.path == "auto"
+    if reason is None:
+        gate = kernels.twell_gate(x, f.gate_proj.weight, tile=f.tile, compression=f.compression)
+        plan = kernels.union_plan(x, gate, f.up_proj.weight, f.w_down_t(), ratio=rule[0], base=rule[1])
+        share = plan["union_blocks"] / row["blocks"]
+        row.update(active_per_token=float(gate.nnz_per_row().float().mean()), union_blocks=plan["union_blocks"],
+                   share=share)
+        reason = f"{share:.0%} of blocks qualify ({'>=' if share >= min_share else '<'} {min_share:.0%})"
+        if (time_auto or timed and share >= min_share) and x.shape[0] < MIN_TIMED_TOKENS:
+            warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
+                          "the paths is noisy (the union / per-row ratio moved by up to 0.2 at 4096 tokens), so the "
+                          "choice may flip between calls", stacklevel=2)
+        if share >= min_share and timed:
+            per_row, union = ffn_times(f, x, rule, reps)
+            row.update(per_row_ms=per_row, union_ms=union)
+            reason += f"; sparse FFN {per_row:.3f} ms per-row, {union:.3f} ms with the rule"
+            if union <= per_row * (1.0 - min_gain):
+                row["union"] = rule
+            else:
+                reason += f" (needs {min_gain:.0%} less)"
+        elif share >= min_share:
+            row["union"] = rule
+    if time_auto:
+        dense, sparse = path_times(f, x, row["union"], reps)
+        runs = "dense" if dense <= sparse * (1.0 - min_gain) else "sparse"
+        row.update(dense_ms=dense, sparse_ms=sparse, runs=runs)
+        verdict = f"{runs} (dense {dense:.3f} ms, sparse {sparse:.3f} ms)"
+        reason += f"; auto runs {verdict}"
+        active = 100 * row["active_per_token"] / f.intermediate_size
+        auto_choice = (runs == "dense", f"auto: {verdict}, timed by choose_union_paths on "
+                                        f"{x.shape[0]} tokens ({active:.2f}% active)")
+    row["why"] = reason
+    return row, auto_choice
 
 
 def _median_ms(f, x: torch.Tensor, calls: dict[str, Optional[tuple[float, float]]], reps: int) -> dict[str, float]:
@@ -166,6 +190,16 @@ def ffn_times(f, x: torch.Tensor, rule: tuple[float, float], reps: int) -> tuple
     then with ``rule``."""
     t = _median_ms(f, x, {"per_row": (0.0, 0.0), "union": rule}, reps)
     return t["per_row"], t["union"]
+
+
+def _not_on_kernels(f, seen_x: torch.Tensor) -> Optional[str]:
+    """Why the layer would not run the kernels on ``seen_x`` (as it received it), or None."""
+    if f.path == "auto":
+        route, why = f.auto_route(seen_x)
+        return None if route == "kernel" else f"path 'auto' runs {route} on these inputs ({why})"
+    if f.path != "kernel" or f.track:
+        return f"the layer does not run the kernels (path {f.path!r}{', tracking' if f.track else ''})"
+    return f._no_sparse(seen_x) or None
 
 
 def _unsupported(f, x: torch.Tensor) -> Optional[str]:

@@ -78,11 +78,14 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
     return table.sort_values(["measured at", "layer", "impl"], ignore_index=True)
 
 
-def bar_brackets(table: pd.DataFrame, impl: str) -> pd.DataFrame:
+def bar_brackets(table: pd.DataFrame, impl: str, device: str | None = "H100") -> pd.DataFrame:
     """For each nnz bar (8, 29, 64): the nearest correct layer of ``impl`` at the bars' M (65536 tokens)
     below and above that nnz, with their speedups, so a reader sees what real layers around the bar
-    reach (no interpolation)."""
+    reach (no interpolation). Only layers measured on a device whose name contains ``device`` (the
+    bars are H100 numbers; None: any device, each layer then names its device)."""
     sub = table[(table["impl"] == impl) & (table["correct"] == "yes") & (table["M"] == BAR_M)]
+    if device is not None:
+        sub = sub[sub["device"].str.contains(device, regex=False)]
     out = []
     for case, bar in SPEED_BAR.items():
         if case == HEAVY_CASE:
@@ -95,8 +98,8 @@ def bar_brackets(table: pd.DataFrame, impl: str) -> pd.DataFrame:
             if frame.empty:
                 return {f"{what} nnz": math.nan, f"{what} speedup": math.nan, f"{what} layer": ""}
             r = frame.iloc[0]
-            return {f"{what} nnz": r["nnz mean"], f"{what} speedup": r["speedup"],
-                    f"{what} layer": f"{r['run']} layer {r['layer']}"}
+            where = f"{r['run']} layer {r['layer']}" + ("" if device is not None else f" ({r['device']})")
+            return {f"{what} nnz": r["nnz mean"], f"{what} speedup": r["speedup"], f"{what} layer": where}
 
         out.append({"bar case": case, "bar": bar, "impl": impl, **pick(below, "below"), **pick(above, "above")})
     return pd.DataFrame(out)
@@ -115,7 +118,7 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
         raise ValueError(f"no real layers to plot (expected a non-empty real_layer_table with impls {impls})")
     fig = Figure(figsize=(11, 6.2), layout="constrained")
     ax = fig.subplots()
-    for (_, _), grp in table.groupby(["run", "layer"]):
+    for _, grp in table.groupby(["device", "run", "layer"]):  # two GPUs' runs may share a stamp and tag
         if len(grp) > 1:
             ax.plot(grp["nnz mean"], grp["speedup"], "-", color="grey", lw=0.8, alpha=0.6)
     handles, labels = [], []
@@ -149,8 +152,8 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
     ax.set_xlabel("measured mean active neurons per row (of H) in the layer")
     ax.set_ylabel("speedup vs dense PyTorch (dense ms / sparse ms)")
     ax.grid(alpha=0.3)
-    runs = table["run"].nunique()
-    layers = len(table.groupby(["run", "layer"]))
+    runs = len(table.groupby(["device", "run"]))
+    layers = len(table.groupby(["device", "run", "layer"]))
     first, last = table["measured at"].min()[:10], table["measured at"].max()[:10]
     Ms = "/".join(str(m) for m in sorted(table["M"].unique()))
     devices = ", ".join(sorted(table["device"].unique()))

@@ -397,10 +397,10 @@ class Trainer:
                 last_val_step = self.step
                 t_log, step_log = time.time(), self.step  # keep evaluation out of the step timings
             bar.update(1)
-            # The next step, and its evaluation when one is due, must end before the deadline.
-            next_evaluates = (self.step + 1) % t.eval_every == 0 and self.step + 1 < t.steps
-            next_cost = 2 * last_step_s + (last_eval_s if next_evaluates else 0.0)
-            stop = deadline is not None and time.time() + next_cost >= deadline
+            # The next step and an evaluation must end before the deadline: a run evaluates when its eval_every
+            # or its last step comes, and a stop evaluates the step it stops at (unless just done). The first
+            # evaluation's length is not known before it runs.
+            stop = deadline is not None and time.time() + 2 * last_step_s + last_eval_s >= deadline
             if broadcast_flag(stop, self.info) and self.step < t.steps:
                 if not logged:
                     self._log_train(raw, bar, t_log, step_log)
