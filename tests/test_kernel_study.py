@@ -159,6 +159,9 @@ def test_a_near_miss_is_not_shown_as_the_bar(cpu_run):
     run = ks.BenchRun(result, None, this_run=True)
     row = ks.speedup_table(run, impl).iloc[0]
     assert row["meets bar"] == "no (2.19960x)"
+    rec["impls"][impl]["speedup"] = 2.199996  # 5 decimals would round it up to the bar again
+    assert ks.speedup_table(run, impl).iloc[0]["meets bar"] == "no (2.19999x)"
+    rec["impls"][impl]["speedup"] = 2.1996
     assert any("2.200x" in line and "met: no (2.19960x)" in line for line in ks.summary_lines(ks.speedup_table(run, impl)))
 
 

@@ -689,8 +689,9 @@ def test_choose_union_paths_measures_what_each_layer_runs_and_changes_nothing_on
     model = Two()
     monkeypatch.setattr(union_paths, "ffn_times", lambda *a: (1.0, 0.5))
     monkeypatch.setattr(union_paths, "path_times", lambda *a: (2.0, 1.0))
-    with pytest.warns(UserWarning, match="calibration tokens"):
+    with pytest.warns(UserWarning, match="calibration tokens") as warned:
         report = choose_union_paths(model, x, min_share=0.0)
+    assert all(w.filename == __file__ for w in warned)  # points at the caller, not at the library
     assert [r["union"] for r in report] == [UNION_RULE] * 2 and [r["runs"] for r in report] == ["sparse"] * 2
     assert model.a.union == model.b.union == UNION_RULE
     model.a.union = model.b.union = (0.0, 0.0)

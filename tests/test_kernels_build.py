@@ -433,3 +433,27 @@ def test_an_unusable_build_directory_is_a_build_error(tmp_path, monkeypatch):
 def test_a_layer_of_width_zero_is_unsupported():
     assert "positive multiple of 64" in kernels.layer_unsupported(0, 300)
     assert kernels.layer_unsupported(64, 300) == ""
+
+
+
+@needs_cxx
+def test_the_build_lock_is_taken_on_a_file_opened_for_writing(tmp_path, monkeypatch):
+    """NFS emulates flock with byte-range locks, which need a file opened for writing (EBADF otherwise):
+    a read-only lock file would build unlocked there."""
+    import errno
+    import fcntl
+    import warnings
+
+    real = fcntl.flock
+
+    def nfs_like(fd, op):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, op)
+
+    monkeypatch.setattr(build.fcntl, "flock", nfs_like)
+    spec = build.ExtensionSpec.from_dir(DATA / "tiny_cpu_ext", build_root=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no file lock" warning
+        module = build.ExtensionLoader().load(spec)
+    assert module.add_scaled(1.0, 2.0, 3.0) == 7.0

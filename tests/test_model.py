@@ -404,13 +404,38 @@ def test_exported_token_ids_reach_generate(tmp_path):
     there: a generation config derived from the model config is derived again from config.json."""
     mc = _random_cfg()
     model = build_model(mc)  # token ids 0, as a training run builds it
+    model.generation_config.update(max_length=77, do_sample=True, top_k=5)  # a user's settings survive too
     save_pretrained(model, None, tmp_path, extra_config={"eos_token_id": 7, "bos_token_id": 7})
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 7
     loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
-    assert (loaded.generation_config.eos_token_id, loaded.generation_config.bos_token_id) == (7, 7)
+    g = loaded.generation_config
+    assert (g.eos_token_id, g.bos_token_id, g.max_length, g.do_sample, g.top_k) == (7, 7, 77, True, 5)
     assert model.generation_config.eos_token_id == 0  # the model itself is not changed
+    # A checkpoint whose generation settings transformers' strict check would refuse (temperature without
+    # sampling: only a warning while the config is left as loaded) still re-saves with new token ids.
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update(do_sample=False, temperature=0.6, top_k=None)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
+    save_pretrained(loaded, None, tmp_path / "again", extra_config={"eos_token_id": 5})
+    assert json.loads((tmp_path / "again" / "generation_config.json").read_text())["eos_token_id"] == 5
     stale = json.loads((tmp_path / "generation_config.json").read_text())
     stale.update(eos_token_id=0, bos_token_id=0, _from_model_config=True)
     (tmp_path / "generation_config.json").write_text(json.dumps(stale))
     loaded, _ = load_pretrained(tmp_path, load_tokenizer=False)
     assert loaded.generation_config.eos_token_id == 7
+    save_pretrained(loaded, None, tmp_path / "third")  # the repaired config saves without complaint
+
+
+def test_a_hub_generation_config_is_read_as_transformers_reads_it(tmp_path):
+    """A generation_config.json derived from the model config and then edited (eos list, sampling
+    settings): everything it says is kept; config.json's token ids are the same here."""
+    _saved_plain_llama(tmp_path, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update(_from_model_config=True, eos_token_id=[2, 5], do_sample=True, temperature=0.6, top_p=0.9,
+               max_length=4096)
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    ref = LlamaForCausalLM.from_pretrained(tmp_path).generation_config
+    ours, _ = load_pretrained(tmp_path, ffn_path="dense", load_tokenizer=False)
+    keys = ("do_sample", "temperature", "top_p", "max_length", "pad_token_id", "bos_token_id")
+    assert {k: getattr(ours.generation_config, k) for k in keys} == {k: getattr(ref, k) for k in keys}

@@ -117,6 +117,10 @@ def test_another_gpu_with_the_same_stamp_is_kept_apart(bench_dir):
     assert anywhere.loc["nnz29", "below layer"] == "x layer 0 (NVIDIA H200)"
     fig = rl.plot_real_layers(t[t["run"] == "x"])
     assert "2 layers of 2 benchmark runs" in fig._suptitle.get_text()
+    assert rl.count_line(t[t["run"] == "x"]) == "2 layers from 2 runs; correct: 2 of 2 measurements"
+    h200 = t[t["device"] == "NVIDIA H200"]
+    with pytest.warns(UserWarning, match="no twell-kernel layer measured on a H100"):
+        assert rl.bar_brackets(h200, "twell-kernel")["below nnz"].isna().all()
 
 
 def test_plot_marks_layers_bars_generator_and_wrong_results(bench_dir):

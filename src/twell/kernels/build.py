@@ -290,8 +290,10 @@ class ExtensionLoader:
         started = time.perf_counter()
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
-            # read-only: a lock file another user created stays usable; flock needs no write access
-            lock = os.open(build_dir / ".twell-build.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+            try:  # for writing: NFS emulates flock with byte-range locks, which need it
+                lock = os.open(build_dir / ".twell-build.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            except PermissionError:  # another user's lock file: a local flock works read-only
+                lock = os.open(build_dir / ".twell-build.lock", os.O_RDONLY)
         except OSError as exc:
             raise BuildError(f"cannot use the build directory {build_dir}: {exc}", build_dir, str(exc)) from exc
         try:
@@ -300,10 +302,11 @@ class ExtensionLoader:
             # it forever): found while holding ours, it is stale.
             locked = True
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(f"[twell] waiting for another process building the kernels in {build_dir}", flush=True)
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    print(f"[twell] waiting for another process building the kernels in {build_dir}", flush=True)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
             except OSError as exc:  # a file system without flock (NFS without locking, some FUSE mounts)
                 locked = False
                 warnings.warn(f"no file lock in {build_dir} ({exc}): building without one, under torch's lock "

@@ -45,6 +45,9 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise ValueError(f"unknown dtype {dtype!r}; expected a torch.dtype, 'auto' or one of {sorted(_DTYPES)}")
 
 
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_size: int | str = "2GB", *,
                     dtype: torch.dtype | str | None = None, tokenizer_choice: dict | None = None,
                     extra_config: dict | None = None) -> Path:
@@ -76,14 +79,6 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
         cfg.twell_tokenizer = dict(tokenizer_choice)
     for k, v in (extra_config or {}).items():
         setattr(cfg, k, v)
-    # generation_config.json must name the same token ids as config.json (generate() stops on its eos)
-    saved_gen = getattr(model, "generation_config", None)
-    if saved_gen is not None:
-        gen = copy.deepcopy(saved_gen)
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if k in (extra_config or {}):
-                setattr(gen, k, extra_config[k])
-        model.generation_config = gen
     model.config = cfg
     # An earlier save's shards and index would sit beside this one's (a sharded index pointing at deleted
     # shards next to a new single file): loaders that read the index would break.
@@ -95,8 +90,14 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
         model.save_pretrained(str(path), state_dict=state, max_shard_size=max_shard_size)
     finally:
         model.config = saved_cfg
-        if saved_gen is not None:
-            model.generation_config = saved_gen
+    # generation_config.json must name the token ids config.json now has (generate() stops on its eos).
+    # Patched in the file: editing the object would make transformers validate all of it strictly.
+    gen_file = path / "generation_config.json"
+    ids = {k: v for k, v in (extra_config or {}).items() if k in _TOKEN_IDS}
+    if ids and gen_file.is_file():
+        gen = json.loads(gen_file.read_text())
+        gen.update(ids)
+        gen_file.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     # transformers writes the dtype of the live parameters; record the dtype actually stored.
     cfg_file = path / "config.json"
     written = json.loads(cfg_file.read_text())
@@ -183,7 +184,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     raw = json.loads(cfg_path.read_text())
     mc, notes = from_hf_dict(raw)
     # the checkpoint's own token ids as written (a list of eos ids, a pad id, null), as transformers keeps them
-    extra = {k: raw[k] for k in ("twell_tokenizer", "bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+    extra = {k: raw[k] for k in ("twell_tokenizer", *_TOKEN_IDS) if k in raw}
     if notes:
         extra["twell_converted_from"] = notes.get("converted_from")
     state = read_state_dict(ckpt)
@@ -220,11 +221,15 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     if (ckpt / "generation_config.json").is_file():  # as from_pretrained does: generate() stops where it should
         from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_pretrained(str(ckpt))
-        # One derived from the model config is derived again from this config.json: exports before
-        # session 37 wrote the build-time token ids (0) there and the data's ids in config.json.
-        model.generation_config = (GenerationConfig.from_model_config(model.config)
-                                   if getattr(gen, "_from_model_config", False) else gen)
+        gen = json.loads((ckpt / "generation_config.json").read_text())
+        if gen.get("_from_model_config"):
+            # Derived from the model config: its token ids follow config.json, where that names them
+            # (exports before session 37 wrote the build-time ids, 0, here and the data's in config.json).
+            # Set before the object is made: an object edited afterwards is validated strictly on save.
+            gen.update({k: raw[k] for k in _TOKEN_IDS if raw.get(k) is not None})
+        gen = GenerationConfig.from_dict(gen)
+        gen._original_object_hash = hash(gen)  # as from_pretrained marks it: loaded, not edited
+        model.generation_config = gen
     dtype = resolve_dtype(dtype)
     if dtype is None:
         saved = raw.get("dtype") or raw.get("torch_dtype")

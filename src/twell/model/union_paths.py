@@ -96,13 +96,14 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
         if not seen[i]:
             raise RuntimeError(f"layer {i}: the SparseFFN was not called by the calibration forward")
     # Every layer is measured first and changed only after the last one: an error on layer k (out of
-    # memory, say) leaves the model as it was.
+    # memory, say) leaves every layer's union and timed choice as they were (the calibration forward
+    # itself may have measured an "auto" layer's activity, as any first call does).
     report, settings = [], []
     for i, f in enumerate(ffns):
         try:
             row, auto_choice = _choose_one(f, i, torch.cat(seen[i]), kernels, rule, min_share, timed, reps, min_gain)
         except Exception as exc:
-            exc.add_note(f"choose_union_paths: while measuring layer {i} (no layer was changed)")
+            exc.add_note(f"choose_union_paths: while measuring layer {i} (no layer's union or timed choice was changed)")
             raise
         seen[i] = []
         report.append(row)
@@ -136,7 +137,7 @@ def _choose_one(f, i: int, seen_x: torch.Tensor, kernels, rule, min_share: float
         if (time_auto or timed and share >= min_share) and x.shape[0] < MIN_TIMED_TOKENS:
             warnings.warn(f"layer {i}: {x.shape[0]} calibration tokens; below ~{MIN_TIMED_TOKENS} the timing of "
                           "the paths is noisy (the union / per-row ratio moved by up to 0.2 at 4096 tokens), so the "
-                          "choice may flip between calls", stacklevel=2)
+                          "choice may flip between calls", stacklevel=3)  # the caller of choose_union_paths
         if share >= min_share and timed:
             per_row, union = ffn_times(f, x, rule, reps)
             row.update(per_row_ms=per_row, union_ms=union)

@@ -13,6 +13,7 @@ they cover that range, which is what comparing the bars with real activations ne
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -85,7 +86,11 @@ def bar_brackets(table: pd.DataFrame, impl: str, device: str | None = "H100") ->
     bars are H100 numbers; None: any device, each layer then names its device)."""
     sub = table[(table["impl"] == impl) & (table["correct"] == "yes") & (table["M"] == BAR_M)]
     if device is not None:
-        sub = sub[sub["device"].str.contains(device, regex=False)]
+        on_device = sub[sub["device"].str.contains(device, regex=False)]
+        if on_device.empty and not sub.empty:
+            warnings.warn(f"no {impl} layer measured on a {device} (devices here: {sorted(sub['device'].unique())}); "
+                          "the brackets are empty: pass device=None to use the others", stacklevel=2)
+        sub = on_device
     out = []
     for case, bar in SPEED_BAR.items():
         if case == HEAVY_CASE:
@@ -103,6 +108,14 @@ def bar_brackets(table: pd.DataFrame, impl: str, device: str | None = "H100") ->
 
         out.append({"bar case": case, "bar": bar, "impl": impl, **pick(below, "below"), **pick(above, "above")})
     return pd.DataFrame(out)
+
+
+def count_line(table: pd.DataFrame) -> str:
+    """'<layers> layers from <runs> runs; correct: <n> of <m> measurements' (a run is a device's file stamp
+    and tag: two GPUs' runs with one stamp count apart, as in the figure)."""
+    layers = table.groupby(["device", "run", "layer"]).ngroups
+    runs = table.groupby(["device", "run"]).ngroups
+    return f"{layers} layers from {runs} runs; correct: {int((table['correct'] == 'yes').sum())} of {len(table)} measurements"
 
 
 def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None, generator_label: str = "",
