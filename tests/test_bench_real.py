@@ -66,6 +66,34 @@ def test_captured_inputs_are_what_each_layer_receives(checkpoint, prepared):
     assert not torch.equal(cap.layers[0].x, cap.layers[1].x)
 
 
+
+def test_capture_takes_an_input_passed_by_keyword(checkpoint, prepared, monkeypatch):
+    """A custom model may call its MLP as mlp(x=h): the capture hook must find the input there too."""
+    import twell.model
+
+    class ByKeyword(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h):
+            return self.inner(x=h)
+
+    load = twell.model.load_pretrained
+
+    def load_wrapped(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        for layer in model.model.layers:
+            layer.mlp = ByKeyword(layer.mlp)
+        return model, tok
+
+    monkeypatch.setattr(twell.model, "load_pretrained", load_wrapped)
+    by_kw = capture_ffn_inputs(checkpoint, prepared.dir, 96, 48, layers=[1], progress=False)
+    monkeypatch.undo()
+    plain = capture_ffn_inputs(checkpoint, prepared.dir, 96, 48, layers=[1], progress=False)
+    assert torch.equal(by_kw.layers[0].x, plain.layers[0].x)
+
+
 def test_bench_real_cases_on_cpu(checkpoint, prepared):
     cfg = BenchConfig(device="cpu", shapes="real", checkpoint=str(checkpoint), tokens=str(prepared.dir),
                       real_M=130, real_seq=64, energy=False, memory=False, reps=3, warmup=1)
