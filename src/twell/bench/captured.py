@@ -84,6 +84,7 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     """
     from twell.model import load_pretrained
     from twell.model.llama import sparse_ffns
+    from twell.nn.ffn import call_input
 
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
@@ -126,7 +127,7 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
 
     def hook(i):
         def pre(_mod, args, kw):
-            x = args[0] if args else kw["x"]  # a custom model may call mlp(x=h)
+            x = call_input(args, kw)
             chunks[i].append(x.reshape(-1, x.shape[-1]).to("cpu", torch.bfloat16))
         return pre
 

@@ -71,12 +71,10 @@ class TrainOrder:
         return samples / self.blocks.n_blocks
 
 
-def val_shards(blocks: TokenBlocks, *, max_tokens: int | None, rank: int, world: int, micro_batch: int):
-    """Yield this rank's validation micro-batches (inputs, targets), in order, equal counts on every rank.
-
-    Uses the first ``max_tokens // seq_len`` blocks (all when None), rounded down to a multiple
-    of ``world * micro_batch`` so every rank runs the same number of forwards.
-    """
+def val_block_count(blocks: TokenBlocks, *, max_tokens: int | None, world: int, micro_batch: int) -> int:
+    """How many validation blocks :func:`val_shards` uses: the first ``max_tokens // seq_len`` (all when
+    None), rounded down to a multiple of ``world * micro_batch`` so every rank runs the same number of
+    forwards; ValueError, naming the setting, when that leaves none."""
     n = blocks.n_blocks if max_tokens is None else min(blocks.n_blocks, max(1, max_tokens // blocks.seq_len))
     per_round = world * micro_batch
     n = (n // per_round) * per_round
@@ -87,6 +85,14 @@ def val_shards(blocks: TokenBlocks, *, max_tokens: int | None, rank: int, world:
                              "raise train.eval_tokens or lower train.eval_micro_batch")
         raise ValueError(f"the validation split has {blocks.n_blocks} blocks of {blocks.seq_len} tokens, fewer than "
                          f"world x eval micro-batch = {per_round}; lower train.eval_micro_batch or raise data.val_fraction")
+    return n
+
+
+def val_shards(blocks: TokenBlocks, *, max_tokens: int | None, rank: int, world: int, micro_batch: int):
+    """Yield this rank's validation micro-batches (inputs, targets), in order, equal counts on every rank
+    (the blocks :func:`val_block_count` counts)."""
+    n = val_block_count(blocks, max_tokens=max_tokens, world=world, micro_batch=micro_batch)
+    per_round = world * micro_batch
     for r in range(n // per_round):
         start = r * per_round + rank * micro_batch
         yield blocks.get(np.arange(start, start + micro_batch))

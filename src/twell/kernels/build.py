@@ -290,10 +290,11 @@ class ExtensionLoader:
         started = time.perf_counter()
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
+            lock_file = build_dir / ".twell-build.lock"
             try:  # for writing: NFS emulates flock with byte-range locks, which need it
-                lock = os.open(build_dir / ".twell-build.lock", os.O_RDWR | os.O_CREAT, 0o666)
+                lock = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
             except PermissionError:  # another user's lock file: a local flock works read-only
-                lock = os.open(build_dir / ".twell-build.lock", os.O_RDONLY)
+                lock = os.open(lock_file, os.O_RDONLY)
         except OSError as exc:
             raise BuildError(f"cannot use the build directory {build_dir}: {exc}", build_dir, str(exc)) from exc
         try:

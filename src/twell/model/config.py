@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 FFN_KINDS = ("relu_gated", "relu", "silu_gated")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # a checkpoint's own, carried to transformers as written
 
 
 @dataclass
@@ -76,14 +77,13 @@ class ModelConfig:
         replaces the token ids (a checkpoint's list of eos ids, its pad id)."""
         from transformers import LlamaConfig
 
-        token_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
         clash = sorted(set(extra) & {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                      "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
                                      "tie_word_embeddings", "rope_theta", "twell_ffn"})
         if clash:
             raise ValueError(f"to_hf_config: {clash} come from the ModelConfig, not from extra")
         ids = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id}
-        ids.update({k: extra.pop(k) for k in token_ids if k in extra})
+        ids.update({k: extra.pop(k) for k in TOKEN_IDS if k in extra})
         cfg = LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,

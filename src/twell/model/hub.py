@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from twell.model.config import from_hf_dict
+from twell.model.config import TOKEN_IDS, from_hf_dict
 from twell.model.llama import build_model, cast_parameters, set_ffn_path, sparse_ffns
 
 # Keys the paper's training code may leave in a state dict that carry no weights.
@@ -43,9 +43,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     raise ValueError(f"unknown dtype {dtype!r}; expected a torch.dtype, 'auto' or one of {sorted(_DTYPES)}")
-
-
-_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_size: int | str = "2GB", *,
@@ -93,7 +90,7 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
     # generation_config.json must name the token ids config.json now has (generate() stops on its eos).
     # Patched in the file: editing the object would make transformers validate all of it strictly.
     gen_file = path / "generation_config.json"
-    ids = {k: v for k, v in (extra_config or {}).items() if k in _TOKEN_IDS}
+    ids = {k: v for k, v in (extra_config or {}).items() if k in TOKEN_IDS}
     if ids and gen_file.is_file():
         gen = json.loads(gen_file.read_text())
         gen.update(ids)
@@ -184,7 +181,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     raw = json.loads(cfg_path.read_text())
     mc, notes = from_hf_dict(raw)
     # the checkpoint's own token ids as written (a list of eos ids, a pad id, null), as transformers keeps them
-    extra = {k: raw[k] for k in ("twell_tokenizer", *_TOKEN_IDS) if k in raw}
+    extra = {k: raw[k] for k in ("twell_tokenizer", *TOKEN_IDS) if k in raw}
     if notes:
         extra["twell_converted_from"] = notes.get("converted_from")
     state = read_state_dict(ckpt)
@@ -226,7 +223,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
             # Derived from the model config: its token ids follow config.json, where that names them
             # (exports before session 37 wrote the build-time ids, 0, here and the data's in config.json).
             # Set before the object is made: an object edited afterwards is validated strictly on save.
-            gen.update({k: raw[k] for k in _TOKEN_IDS if raw.get(k) is not None})
+            gen.update({k: raw[k] for k in TOKEN_IDS if raw.get(k) is not None})
         gen = GenerationConfig.from_dict(gen)
         gen._original_object_hash = hash(gen)  # as from_pretrained marks it: loaded, not edited
         model.generation_config = gen

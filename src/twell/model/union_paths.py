@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from twell.model.llama import sparse_ffns
+from twell.nn.ffn import call_input
 from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
@@ -81,7 +82,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
 
     def keep(i):
         def hook(mod, args, kw):
-            x = args[0] if args else kw["x"]  # a custom model may call mlp(x=h)
+            x = call_input(args, kw)
             seen[i].append(x.detach().reshape(-1, x.shape[-1]))
         return hook
 

@@ -116,6 +116,12 @@ def _kernels_unavailable() -> str:
     return "" if ok else why
 
 
+def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The input x of a SparseFFN call as a forward pre-hook registered ``with_kwargs=True`` sees it:
+    positional, or ``x=`` (a custom model may call ``mlp(x=h)``)."""
+    return args[0] if args else kwargs["x"]
+
+
 class SparseFFN(nn.Module):
     def __init__(
         self,

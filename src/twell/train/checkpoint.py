@@ -76,16 +76,25 @@ class CheckpointManager:
         """The trainer state (step, tracker, config) of a checkpoint, without its tensors."""
         return torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=True)
 
-    def load(self, path: str | Path, model, optimizer) -> dict:
-        """Restore model and optimizer in place (collective); return the trainer state."""
+    def load(self, path: str | Path, model, optimizer) -> None:
+        """Restore model weights and optimizer state in place (collective). The optimizer keeps its own
+        settings (weight decay, betas, eps, fused/foreach for this machine: the current config's), which
+        torch's load would replace by the saved ones; the trainer state is :meth:`read_state`'s."""
         path = Path(path)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DCP_WARNING)
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return self.read_state(path)
+        for g, kept in zip(optimizer.param_groups, settings):
+            g.update(kept)
+            on_device = g.get("fused") or g.get("capturable")
+            for p in g["params"]:
+                st = optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")):  # fused / capturable keep the step count on the device
+                    st["step"] = st["step"].to(p.device if on_device else "cpu")
 
     def _prune(self, keep_also: Path) -> None:
         done = sorted(d for d in self.root.glob("step_*") if (d / "trainer.pt").is_file())

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from twell.data.loader import TokenBlocks, TrainOrder, val_shards
+from twell.data.loader import TokenBlocks, TrainOrder, val_block_count, val_shards
 from twell.data.prepare import FORMAT_VERSION, PreparedData, prepare_data
 from twell.model import build_model, count_parameters, save_pretrained, set_tracking, sparse_ffns
 from twell.paths import repo_root
@@ -113,8 +113,8 @@ class Trainer:
         self.train_blocks = TokenBlocks(self.data.tokens("train"), t.seq_len, "the training split")
         self.val_blocks = TokenBlocks(self.data.tokens("val"), t.seq_len, "the validation split")
         # the evaluation's settings fail here, not after eval_every steps of training
-        next(val_shards(self.val_blocks, max_tokens=t.eval_tokens, rank=self.info.rank, world=self.info.world,
-                        micro_batch=t.eval_micro_batch or t.micro_batch), None)
+        val_block_count(self.val_blocks, max_tokens=t.eval_tokens, world=self.info.world,
+                        micro_batch=t.eval_micro_batch or t.micro_batch)
         self.order = TrainOrder(self.train_blocks, t.data_seed)
         self.accum = t.global_batch // (t.micro_batch * self.info.world)
         window = s.dead_window_tokens or cfg.tokens_per_step
@@ -183,17 +183,9 @@ class Trainer:
         state = self.ckpt.read_state(latest)  # checked before any tensor is loaded (a new shape would fail there)
         self._check_resume_config(state["config"])
         self._check_resume_data(state)
-        # The checkpoint holds the optimizer's state; its settings (weight decay, betas, eps, fused/foreach for this
-        # machine) are the current config's, as the resume warning below says.
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # Weights and optimizer state; the optimizer's settings stay the current config's, as the resume
+        # warning below says.
         self.ckpt.load(latest, self.model, self.optimizer)
-        for g, kept in zip(self.optimizer.param_groups, settings):
-            g.update(kept)
-            on_device = g.get("fused") or g.get("capturable")
-            for p in g["params"]:
-                st = self.optimizer.state.get(p, {})
-                if torch.is_tensor(st.get("step")):  # fused / capturable keep the step count on the device
-                    st["step"] = st["step"].to(p.device if on_device else "cpu")
         self.step = int(state["step"])
         self.tracker.load_state_dict(state["tracker"])
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
