@@ -711,7 +711,7 @@ def test_choose_union_paths_measures_what_each_layer_runs_and_changes_nothing_on
     with pytest.raises(torch.cuda.OutOfMemoryError) as err, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         choose_union_paths(model, x, min_share=0.0)
-    assert "layer 1 (no layer was changed)" in "".join(getattr(err.value, "__notes__", []))
+    assert "layer 1 (no layer's union or timed choice was changed)" in "".join(getattr(err.value, "__notes__", []))
     assert model.a.union == model.b.union == (0.0, 0.0)
 
 
