@@ -350,6 +350,30 @@ def test_rel_error():
 
 # ---------------------------------------------------------------- GPU
 @pytest.mark.gpu
+def test_gpu_poison_fills_the_free_rest_of_a_cached_segment():
+    """A poisoned block carved from a larger cached segment merges, once freed, with the unpoisoned rest of
+    that segment; a scratch tensor then takes the front and the output runs into the rest (M = 131072 on
+    the H100). Every free byte of the cache must be poisoned, and no new memory reserved for it."""
+    dev = torch.device("cuda")
+    n = 64 * 2**20
+    torch.cuda.empty_cache()
+    seg = torch.zeros(3 * n // 2, dtype=torch.uint8, device=dev)
+    del seg  # a free 96 MiB segment of zeros
+    poison = bench_ffn.Poison(dev, n, blocks=1)
+    scratch = torch.empty(n // 4, dtype=torch.uint8, device=dev)
+    out = torch.empty(n, dtype=torch.uint8, device=dev)
+    assert poison.hit(out) and bool((out == 255).all())
+    del scratch, out
+    seg = torch.zeros(3 * n // 2, dtype=torch.uint8, device=dev)
+    del seg
+    reserved = torch.cuda.memory_reserved(dev)
+    bench_ffn.Poison(dev, 0, blocks=0)
+    assert torch.cuda.memory_reserved(dev) == reserved
+    whole = torch.empty(3 * n // 2, dtype=torch.uint8, device=dev)
+    assert bool((whole == 255).all())
+
+
+@pytest.mark.gpu
 def test_gpu_harness_poison_catches_unwritten_output(tmp_path):
     """On CUDA an implementation that allocates its output but never writes it must read back NaN."""
     def lazy(x, w_gate, w_up, w_down_t):

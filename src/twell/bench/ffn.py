@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import inspect
 import json
 import math
 import os
@@ -264,20 +265,34 @@ def fp32_ffn(x, w_gate, w_up, w_down, chunk_rows: int = 16384) -> torch.Tensor:
 
 
 class Poison:
-    """Fills freed allocator blocks with 0xFF (NaN in bf16/fp32) so unwritten outputs show as NaN.
+    """Fills the allocator's free memory with 0xFF (NaN in bf16/fp32) so unwritten outputs show as NaN.
 
     The CUDA caching allocator hands freed blocks to the next allocations, so an implementation
     that allocates its output with torch.empty gets poisoned memory. ``hit(out)`` says whether
-    the output really landed in a poisoned block. On CPU there is no such cache: n/a.
+    the output really landed in poisoned memory. On CPU there is no such cache: n/a.
+
+    Poisoning only ``blocks`` fresh blocks of the output's size is not enough: a fresh block may be
+    carved from a larger cached segment, and once freed it merges with the unpoisoned rest of that
+    segment. An implementation's first scratch tensor then takes the front of the poisoned part and
+    the output the rest plus unpoisoned bytes (seen at M = 131072 on the H100). So every free block
+    of the large pool that this stream allocates from is filled too.
     """
 
     def __init__(self, device: torch.device, nbytes: int, blocks: int = 4):
         self.ranges = []
         if device.type != "cuda":
             return
-        bufs = [torch.full((nbytes,), 255, dtype=torch.uint8, device=device) for _ in range(blocks)]
-        self.ranges = [(b.data_ptr(), b.data_ptr() + nbytes) for b in bufs]
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            bufs = [torch.full((nbytes,), 255, dtype=torch.uint8, device=device) for _ in range(blocks)]
+            # Largest first, each request the exact size of a free block: best fit then takes a block of
+            # that size whole, so no request splits a block or needs new memory.
+            for size in sorted(_free_block_sizes(device), reverse=True):
+                try:
+                    bufs.append(torch.full((size,), 255, dtype=torch.uint8, device=device))
+                except torch.cuda.OutOfMemoryError:  # what is not poisoned shows up in hit()
+                    break
+            self.ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
+            torch.cuda.synchronize(device)
         del bufs  # back to the cache, still holding 0xFF
 
     def hit(self, out: torch.Tensor) -> bool | None:
@@ -293,6 +308,27 @@ class Poison:
             else:
                 merged.append([lo, hi])
         return any(lo <= p and end <= hi for lo, hi in merged)
+
+
+def _snapshot() -> list[dict]:
+    # Without the traces when this torch can (they are large when memory history is being recorded).
+    if "include_traces" in inspect.signature(torch.cuda.memory_snapshot).parameters:
+        return torch.cuda.memory_snapshot(include_traces=False)
+    return torch.cuda.memory_snapshot()
+
+
+def _free_block_sizes(device: torch.device) -> list[int]:
+    """Sizes of the free blocks that an allocation of more than 1 MiB on the current stream of ``device``
+    can be given: large-pool segments of the default pool (not CUDA-graph pools) of that stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    sizes = []
+    for seg in _snapshot():
+        if (seg.get("device") != index or seg.get("segment_type") != "large" or seg.get("stream") != stream
+                or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)):
+            continue
+        sizes += [b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive" and b["size"] > 2**20]
+    return sizes
 
 
 def _nonfinite(t: torch.Tensor) -> int:
