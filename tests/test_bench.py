@@ -358,6 +358,9 @@ def test_gpu_poison_fills_the_free_rest_of_a_cached_segment():
     n = 64 * 2**20
     torch.cuda.empty_cache()
     seg = torch.zeros(3 * n // 2, dtype=torch.uint8, device=dev)
+    # Its own 96 MiB segment: a larger cached one left by earlier tests could hide the old Poison's gap.
+    assert [s["total_size"] for s in bench_ffn._snapshot() if s["address"] <= seg.data_ptr() < s["address"]
+            + s["total_size"]] == [3 * n // 2]
     del seg  # a free 96 MiB segment of zeros
     poison = bench_ffn.Poison(dev, n, blocks=1)
     scratch = torch.empty(n // 4, dtype=torch.uint8, device=dev)
@@ -366,11 +369,21 @@ def test_gpu_poison_fills_the_free_rest_of_a_cached_segment():
     del scratch, out
     seg = torch.zeros(3 * n // 2, dtype=torch.uint8, device=dev)
     del seg
+    # Free blocks of another stream are not this stream's to take: asking for them would reserve new memory.
+    with torch.cuda.stream(torch.cuda.Stream(dev)):
+        other = torch.empty(5 * n // 4, dtype=torch.uint8, device=dev)
+        del other
     reserved = torch.cuda.memory_reserved(dev)
     bench_ffn.Poison(dev, 0, blocks=0)
     assert torch.cuda.memory_reserved(dev) == reserved
     whole = torch.empty(3 * n // 2, dtype=torch.uint8, device=dev)
     assert bool((whole == 255).all())
+    del whole
+    # Poisoned memory given back to the driver may come back at the same addresses, unpoisoned: not a hit.
+    poison = bench_ffn.Poison(dev, n)
+    torch.cuda.empty_cache()
+    out = torch.empty(n, dtype=torch.uint8, device=dev)
+    assert poison.hit(out) is False
 
 
 @pytest.mark.gpu
@@ -501,3 +514,7 @@ def test_config_refuses_cases_denser_than_H_and_poison_needs_the_whole_output(tm
     assert not poison.hit(buf[16:48]) and not poison.hit(buf[40:])
     poison.ranges = [(buf.data_ptr() + 32, buf.data_ptr() + 64), (buf.data_ptr(), buf.data_ptr() + 32)]
     assert poison.hit(buf[16:48])  # two poisoned blocks side by side: the allocator merges them
+    # A strided view reaches past numel elements from its start: a column slice of a wider buffer.
+    poison.ranges = [(buf.data_ptr(), buf.data_ptr() + 32)]
+    wide = buf.view(8, 8)
+    assert poison.hit(wide[:4, :4]) and not poison.hit(wide[:, :4]) and not poison.hit(wide[:, :4].t())

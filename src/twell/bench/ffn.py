@@ -280,25 +280,42 @@ class Poison:
 
     def __init__(self, device: torch.device, nbytes: int, blocks: int = 4):
         self.ranges = []
+        self.device = device
         if device.type != "cuda":
             return
         with torch.cuda.device(device):
             bufs = [torch.full((nbytes,), 255, dtype=torch.uint8, device=device) for _ in range(blocks)]
             # Largest first, each request the exact size of a free block: best fit then takes a block of
-            # that size whole, so no request splits a block or needs new memory.
+            # that size whole, so no request splits a block or needs new memory. Under allocator settings
+            # that round requests up (roundup_power2_divisions) it would: stop rather than grow.
+            mallocs = torch.cuda.memory_stats(device)["num_device_alloc"]
             for size in sorted(_free_block_sizes(device), reverse=True):
                 try:
                     bufs.append(torch.full((size,), 255, dtype=torch.uint8, device=device))
                 except torch.cuda.OutOfMemoryError:  # what is not poisoned shows up in hit()
                     break
+                if torch.cuda.memory_stats(device)["num_device_alloc"] != mallocs:
+                    break
             self.ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
             torch.cuda.synchronize(device)
         del bufs  # back to the cache, still holding 0xFF
+        # Memory given back to the driver (empty_cache, or an allocation retried after freeing the cache)
+        # may come back at the same addresses without the poison: hit() then cannot vouch for any range.
+        self.device_frees = torch.cuda.memory_stats(device)["num_device_free"]
 
     def hit(self, out: torch.Tensor) -> bool | None:
         if not self.ranges:
             return None
-        p, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        if self.device.type == "cuda" and torch.cuda.memory_stats(self.device)["num_device_free"] != self.device_frees:
+            return False
+        # The bytes the tensor can reach: a strided view (a column slice of a wider buffer) reaches past
+        # numel elements from its start.
+        if out.numel() == 0:
+            return True
+        if any(st < 0 for st in out.stride()):
+            return False
+        p = out.data_ptr()
+        end = p + (1 + sum((n - 1) * st for n, st in zip(out.shape, out.stride()))) * out.element_size()
         # All of it, not just its start. Freed blocks that sit side by side merge in the allocator, so an
         # output may straddle two of them: what counts is the union of the poisoned ranges.
         merged: list[list[int]] = []
