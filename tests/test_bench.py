@@ -352,8 +352,9 @@ def test_rel_error():
 @pytest.mark.gpu
 def test_gpu_poison_fills_the_free_rest_of_a_cached_segment():
     """A poisoned block carved from a larger cached segment merges, once freed, with the unpoisoned rest of
-    that segment; a scratch tensor then takes the front and the output runs into the rest (M = 131072 on
-    the H100). Every free byte of the cache must be poisoned, and no new memory reserved for it."""
+    that segment; a scratch tensor then takes the front and the output runs into the rest (the likely cause
+    of the unverified outputs at M = 131072 on the H100). Every free byte of the cache must be poisoned, and
+    no new memory reserved for it."""
     dev = torch.device("cuda")
     n = 64 * 2**20
     torch.cuda.empty_cache()

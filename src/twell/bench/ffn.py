@@ -274,8 +274,9 @@ class Poison:
     Poisoning only ``blocks`` fresh blocks of the output's size is not enough: a fresh block may be
     carved from a larger cached segment, and once freed it merges with the unpoisoned rest of that
     segment. An implementation's first scratch tensor then takes the front of the poisoned part and
-    the output the rest plus unpoisoned bytes (seen at M = 131072 on the H100). So every free block
-    of the large pool that this stream allocates from is filled too.
+    the output the rest plus unpoisoned bytes (the likely cause, inferred from the allocator's rules, of
+    the unverified outputs at M = 131072 on the H100). So every free block of the large pool that this
+    stream allocates from is filled too.
     """
 
     def __init__(self, device: torch.device, nbytes: int, blocks: int = 4):
