@@ -52,11 +52,12 @@ def test_gated_ffn_matches_dense(M, D, H, offset, heavy, tiling, seed):
     out = twell_gated_ffn(x, gate, wu, wd.t().contiguous())
     assert out.dtype == torch.bfloat16 and out.shape == (M, D)
     # Strict: given the gate's own bf16 h (the value dense bf16 uses too), the reference may only round
-    # its output to bf16 (2**-8 relative) and err in fp32 sums (bounded against the sum of magnitudes).
+    # its output to bf16 (2**-8 relative) and err in fp32 products and sums: at most (D + H + 2) * 2**-24
+    # of the sum of magnitudes (<= 4.2e-5 for these shapes), below the 2**-14 allowed here.
     h = gate.unpack().double()
     exact = (h * (x.double() @ wu.double().t())) @ wd.double().t()
     magnitude = (h * (x.double().abs() @ wu.double().abs().t())) @ wd.double().abs().t()
-    assert ((out.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-11 * magnitude).all()
+    assert ((out.double() - exact).abs() <= 2**-8 * exact.abs() + 2**-14 * magnitude).all()
     # STYLE's rule against fp32. Floor: two bf16 roundings (h and the output), which dense makes too;
     # in a row with one or two active neurons they do not average out, and dense's own roundings can
     # cancel by luck (M=1, D=8, H=100, offset 2.5, seed 100: 4.1e-3 against dense's 1.5e-3).
