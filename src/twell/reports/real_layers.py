@@ -26,6 +26,9 @@ from twell.reports.kernel_study import BAR_M, HEAVY_CASE, SPEED_BAR, WRONG_LABEL
 
 COLUMNS = ["run", "measured at", "device", "checkpoint", "layer", "M", "nnz mean", "nnz p99", "nnz max", "reuse 64", "impl",
            "dense ms", "sparse ms", "speedup", "rel. error", "correct", "csrc"]
+# A run is a device's file stamp and tag (two GPUs' runs with one stamp count apart); a layer is one of a run's.
+RUN_KEYS = ["device", "run"]
+LAYER_KEYS = [*RUN_KEYS, "layer"]
 _IMPL_STYLE = {  # the per-row default and the block-union rule; any other implementation gets a grey square
     "twell-kernel": dict(marker="o", color="tab:blue", mfc="tab:blue", label="twell-kernel (per-row)"),
     "twell-kernel-union": dict(marker="D", color="tab:red", mfc="white", label="twell-kernel-union (block-union rule)"),
@@ -110,11 +113,14 @@ def bar_brackets(table: pd.DataFrame, impl: str, device: str | None = "H100") ->
     return pd.DataFrame(out)
 
 
+def _layers_and_runs(table: pd.DataFrame) -> tuple[int, int]:
+    return table.groupby(LAYER_KEYS).ngroups, table.groupby(RUN_KEYS).ngroups
+
+
 def count_line(table: pd.DataFrame) -> str:
-    """'<layers> layers from <runs> runs; correct: <n> of <m> measurements' (a run is a device's file stamp
-    and tag: two GPUs' runs with one stamp count apart, as in the figure)."""
-    layers = table.groupby(["device", "run", "layer"]).ngroups
-    runs = table.groupby(["device", "run"]).ngroups
+    """'<layers> layers from <runs> runs; correct: <n> of <m> measurements' (runs and layers as
+    ``RUN_KEYS`` / ``LAYER_KEYS`` count them, as in the figure)."""
+    layers, runs = _layers_and_runs(table)
     return f"{layers} layers from {runs} runs; correct: {int((table['correct'] == 'yes').sum())} of {len(table)} measurements"
 
 
@@ -131,7 +137,7 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
         raise ValueError(f"no real layers to plot (expected a non-empty real_layer_table with impls {impls})")
     fig = Figure(figsize=(11, 6.2), layout="constrained")
     ax = fig.subplots()
-    for _, grp in table.groupby(["device", "run", "layer"]):  # two GPUs' runs may share a stamp and tag
+    for _, grp in table.groupby(LAYER_KEYS):
         if len(grp) > 1:
             ax.plot(grp["nnz mean"], grp["speedup"], "-", color="grey", lw=0.8, alpha=0.6)
     handles, labels = [], []
@@ -165,8 +171,7 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
     ax.set_xlabel("measured mean active neurons per row (of H) in the layer")
     ax.set_ylabel("speedup vs dense PyTorch (dense ms / sparse ms)")
     ax.grid(alpha=0.3)
-    runs = len(table.groupby(["device", "run"]))
-    layers = len(table.groupby(["device", "run", "layer"]))
+    layers, runs = _layers_and_runs(table)
     first, last = table["measured at"].min()[:10], table["measured at"].max()[:10]
     Ms = "/".join(str(m) for m in sorted(table["M"].unique()))
     devices = ", ".join(sorted(table["device"].unique()))
