@@ -235,18 +235,34 @@ def test_resume_without_a_checkpoint_starts_the_metrics_afresh(tmp_path, smoke_d
     assert [e["event"] for e in recs["event"]] == ["resume-requested", "start", "end"]
 
 
-def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data):
+def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data, monkeypatch):
+    """The weights turn non-finite just before step BAD, a step the test picks (when a run with a huge learning rate
+    diverges depends on the installed torch/transformers/numpy); BAD is due for a checkpoint and an evaluation, so
+    the guard must stop there before either runs."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    cfg = _cfg(smoke_data, steps=12, ckpt_every=2, keep_checkpoints=1)
-    cfg["optim"].update(lr=1e6, warmup_steps=0, grad_clip=0.0)  # diverges within a few steps
+    from twell.train import loop
+
+    BAD = 6
+    step = loop.Trainer._train_step
+
+    def poisoned_step(self, i):  # i: steps done so far, so this is step i + 1
+        if i + 1 == BAD:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.fill_(float("nan"))
+        return step(self, i)
+
+    monkeypatch.setattr(loop.Trainer, "_train_step", poisoned_step)
+    cfg = _cfg(smoke_data, steps=12, ckpt_every=2, eval_every=6, keep_checkpoints=1)
     out = tmp_path / "nan"
     with pytest.raises(RuntimeError, match=r"non-finite loss or gradient norm at step \d+") as err:
         run(cfg, out=out)
     bad = int(re.search(r"at step (\d+)", str(err.value)).group(1))
+    assert bad == BAD
     recs = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in recs["train"]] == list(range(1, bad + 1))  # log_every 1: detected at once
-    assert all(isinstance(r[k], float) for r in recs["train"][:-1] for k in ("loss", "grad_norm"))
+    assert all(isinstance(r[k], float) and math.isfinite(r[k]) for r in recs["train"][:-1] for k in ("loss", "grad_norm"))
     assert any(not math.isfinite(recs["train"][-1][k]) for k in ("loss", "grad_norm"))  # read back as floats
     # The plots and the table take a diverged run: numbers on the axis, NaN in the table.
     from twell.train import plots
@@ -257,12 +273,13 @@ def test_diverging_run_stops_at_the_first_non_finite_step(tmp_path, smoke_data):
     table = plots.summary_table({"nan": out / "metrics.jsonl"}, {"nan": out / "summary.json"})
     assert table.loc[0, "steps"] == bad
     assert recs["event"][-1]["event"] == "stop" and f"step {bad}" in recs["event"][-1]["reason"]
+    assert not recs.get("val")  # the bad step was due for the first evaluation; nothing was evaluated
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] and summary["steps_done"] == bad and f"step {bad}" in summary["stop_reason"]
     assert summary["paths"]["hf_checkpoint"] is None and not (out / "final").exists()
     # Nothing saved from the non-finite state: the last finite checkpoint is kept (keep_checkpoints 1).
     last = (bad - 1) // 2 * 2
-    assert last > 0 and [p.name for p in (out / "ckpt").glob("step_*")] == [f"step_{last:07d}"]
+    assert last == 4 and [p.name for p in (out / "ckpt").glob("step_*")] == [f"step_{last:07d}"]
     assert summary["paths"]["train_checkpoint"] == str(out / "ckpt" / f"step_{last:07d}")
     dcp_to_torch_save(out / "ckpt" / f"step_{last:07d}", tmp_path / "last.pt")
     weights = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
