@@ -199,6 +199,24 @@ def _check_replaceable(target: Path) -> None:
             "or new folder for data.prepared_dir / --out")
 
 
+def _empty_split_message(split: str, label: str, n_train: int, n_val: int, fraction: float) -> str:
+    """The error for a corpus that left one split without documents, naming the setting and a value that works."""
+    n = n_train + n_val
+    if n == 0:
+        return f"{label} holds no documents; check data.source (and data.text_field, data.max_docs)"
+    if split == "train":
+        return (f"the training split of {label} is empty: data.val_fraction = {fraction:g} sent all {n} documents to "
+                "validation; lower it, e.g. --set data.val_fraction=0.05")
+    # Documents go to validation by a hash of their id: ask for about 5 of them (none with probability < 1 %).
+    nice = [f for f in (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5) if f > fraction and f * n >= 5]
+    if not nice:
+        return (f"the validation split of {label} is empty: the corpus has {n} documents, too few to hold some out "
+                f"(data.val_fraction = {fraction:g}); use a larger corpus")
+    return (f"the validation split of {label} is empty: data.val_fraction = {fraction:g} of its {n} documents "
+            f"selected none (documents are assigned by a hash of their id); raise it, e.g. --set "
+            f"data.val_fraction={nice[0]:g} (about {nice[0] * n:.0f} documents), or use a larger corpus")
+
+
 def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path, progress: bool) -> PreparedData:
     from tqdm.auto import tqdm
 
@@ -274,8 +292,8 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
     for split, (n_tok, n_doc) in counts.items():
         if n_doc == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ValueError(f"the {split} split of {source.label} is empty ({counts['train'][1]} train / "
-                             f"{counts['val'][1]} val documents); adjust data.val_fraction or use a larger corpus")
+            raise ValueError(_empty_split_message(split, source.label, counts["train"][1], counts["val"][1],
+                                                  cfg.val_fraction))
     tok.save_pretrained(str(tmp / "tokenizer"))
     meta = {
         "format_version": FORMAT_VERSION,

@@ -6,9 +6,13 @@ Layout under ``<out>/ckpt/``::
                         plus trainer.pt (step, tracker, config) written last
     latest.json         {"step": 100, "dir": "step_000100"}, replaced atomically
 
-Each checkpoint is written into ``.step_000100.tmp`` and renamed when complete; ``latest.json``
-is written to a temporary file and ``os.replace``-d. A kill at any moment leaves either the
-previous checkpoint or the new one, never a half-written one that resume would pick.
+Each checkpoint is written into ``.step_000100.tmp``; once every rank's shards are written (DCP
+returns on every rank only after all ranks wrote and rank 0 wrote ``.metadata``), rank 0 writes
+``trainer.pt``, the marker of a complete checkpoint, and renames the folder. ``latest.json`` is
+written to a temporary file and ``os.replace``-d. A checkpoint is removed (pruned, or replaced by
+one of the same step) by renaming it to a hidden name first. So a visible ``step_*`` folder holding
+``trainer.pt`` is complete, and a kill at any moment leaves either the previous checkpoint or the
+new one, never a half-written or half-deleted one that resume would pick.
 DCP works without a process group too, so single-process and FSDP runs share this code.
 """
 from __future__ import annotations
@@ -21,12 +25,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from twell.train.metrics import atomic_write
-from twell.train.parallel import DistInfo, barrier
+from twell.train.parallel import DistInfo, barrier, broadcast_object, fail_together
 
 _DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def _failures(exc: CheckpointException) -> str:
+    """One line per failing rank of a DCP error (its str holds every rank's traceback)."""
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        err = failure[0] if isinstance(failure, tuple) else failure
+        lines.append(f"rank {rank}: {type(err).__name__}: {str(err)[:200]}")
+    return "; ".join(lines)
 
 
 class CheckpointManager:
@@ -35,15 +49,29 @@ class CheckpointManager:
         self.info = info
         self.keep = keep
 
+    @staticmethod
+    def is_complete(path: Path) -> bool:
+        """A checkpoint folder with its marker and DCP's metadata (the folder of a killed write has no marker)."""
+        return (path / "trainer.pt").is_file() and (path / ".metadata").is_file()
+
     def latest(self) -> Path | None:
-        """The newest complete checkpoint directory, or None."""
-        pointer = self.root / "latest.json"
-        if pointer.is_file():
-            d = self.root / json.loads(pointer.read_text())["dir"]
-            if (d / "trainer.pt").is_file():
+        """The checkpoint ``latest.json`` names when it is complete, else the newest complete one, or None."""
+        try:
+            d = self.root / json.loads((self.root / "latest.json").read_text())["dir"]
+            if d.name.startswith("step_") and self.is_complete(d):
                 return d
-        done = sorted(d for d in self.root.glob("step_*") if (d / "trainer.pt").is_file())
+        except (OSError, ValueError, KeyError, TypeError):  # absent, or cut by a crash of the machine
+            pass
+        done = sorted(d for d in self.root.glob("step_*") if self.is_complete(d))
         return done[-1] if done else None
+
+    def resume_point(self) -> Path | None:
+        """Collective: rank 0's :meth:`latest`, on every rank (every rank resumes from the same checkpoint)."""
+        latest = None
+        with fail_together(self.info):
+            if self.info.is_main:
+                latest = self.latest()
+        return broadcast_object(latest, self.info)
 
     def save(self, step: int, model, optimizer, trainer_state: dict) -> Path:
         """Collective: every rank calls it. Returns the final checkpoint directory."""
@@ -62,10 +90,13 @@ class CheckpointManager:
         if self.info.is_main:
             state = dict(trainer_state, step=step)
             torch.save(state, tmp / "trainer.pt.tmp")
+            with open(tmp / "trainer.pt.tmp", "rb") as f:  # contents on disk before the marker is (machine crash)
+                os.fsync(f.fileno())
             os.replace(tmp / "trainer.pt.tmp", tmp / "trainer.pt")
-            if final.exists():
-                shutil.rmtree(final)
+            old = self._hide(final) if final.exists() else None  # e.g. a resume from before this step
             os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             atomic_write(self.root / "latest.json", json.dumps({"step": step, "dir": name}))
             self._prune(keep_also=final)
         barrier(self.info)
@@ -86,7 +117,12 @@ class CheckpointManager:
         state = {"model": msd, "optim": osd}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DCP_WARNING)
-            dcp.load(state, checkpoint_id=str(path))
+            try:
+                dcp.load(state, checkpoint_id=str(path))
+            except CheckpointException as exc:  # raised on every rank: DCP gathers the ranks' failures
+                raise ValueError(f"cannot resume from {path}: its shards do not load ({_failures(exc)}); move that "
+                                 "folder away to resume from the checkpoint before it, or start again with "
+                                 "--overwrite") from exc
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for g, kept in zip(optimizer.param_groups, settings):
             g.update(kept)
@@ -96,10 +132,17 @@ class CheckpointManager:
                 if torch.is_tensor(st.get("step")):  # fused / capturable keep the step count on the device
                     st["step"] = st["step"].to(p.device if on_device else "cpu")
 
+    def _hide(self, path: Path) -> Path:
+        """Rename a checkpoint out of resume's sight before deleting it (a half-deleted folder may keep its marker)."""
+        hidden = self.root / f".{path.name}.old"
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.replace(path, hidden)
+        return hidden
+
     def _prune(self, keep_also: Path) -> None:
-        done = sorted(d for d in self.root.glob("step_*") if (d / "trainer.pt").is_file())
+        done = sorted(d for d in self.root.glob("step_*") if self.is_complete(d))
         for d in done[: max(0, len(done) - self.keep)]:
             if d != keep_also:
-                shutil.rmtree(d, ignore_errors=True)
-        for d in self.root.glob(".step_*.tmp"):
+                shutil.rmtree(self._hide(d), ignore_errors=True)
+        for d in [*self.root.glob(".step_*.tmp"), *self.root.glob(".step_*.old")]:
             shutil.rmtree(d, ignore_errors=True)

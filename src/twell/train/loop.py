@@ -34,7 +34,8 @@ from twell.train.checkpoint import CheckpointManager
 from twell.train.config import RunConfig, load_config
 from twell.train.metrics import MetricsLog, atomic_write, json_safe
 from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
-                                  barrier, broadcast_flag, init_distributed, set_gradient_sync, total_grad_norm)
+                                  barrier, broadcast_flag, broadcast_object, fail_together, init_distributed,
+                                  set_gradient_sync, total_grad_norm)
 from twell.train.recipe import sparse_lm_loss
 from twell.train.schedule import l1_coef_at, lr_at
 from twell.train.tracker import SparsityTracker, reinit_dead_gates
@@ -140,27 +141,24 @@ class Trainer:
         if existing and not resume and not overwrite:
             raise FileExistsError(f"{self.out} already holds a run ({', '.join(existing)}); pass --resume to continue "
                                   "it or --overwrite to start again")
-        if self.main:
-            if overwrite and not resume:
-                for p in ("ckpt", "final"):
-                    shutil.rmtree(self.out / p, ignore_errors=True)
-                for p in ("metrics.jsonl", "summary.json"):
-                    (self.out / p).unlink(missing_ok=True)
-            self.out.mkdir(parents=True, exist_ok=True)
-        barrier(self.info)
+        with fail_together(self.info):  # the others wait for rank 0's folder, and learn when it failed
+            if self.main:
+                if overwrite and not resume:
+                    for p in ("ckpt", "final"):
+                        shutil.rmtree(self.out / p, ignore_errors=True)
+                    for p in ("metrics.jsonl", "summary.json"):
+                        (self.out / p).unlink(missing_ok=True)
+                self.out.mkdir(parents=True, exist_ok=True)
 
     def _prepare_data(self) -> PreparedData:
         path = None
-        if self.main:
-            path = str(prepare_data(self.cfg.data, vocab_size=self.cfg.model.vocab_size,
-                                    progress=self.cfg.train.progress).dir)
-        if self.info.distributed:
-            import torch.distributed as dist
-
-            box = [path]
-            dist.broadcast_object_list(box, src=0)
-            path = box[0]
-        return PreparedData.load(path)
+        with fail_together(self.info):  # rank 0 tokenises while the others wait: its error stops them too
+            if self.main:
+                path = str(prepare_data(self.cfg.data, vocab_size=self.cfg.model.vocab_size,
+                                        progress=self.cfg.train.progress).dir)
+        path = broadcast_object(path, self.info)
+        with fail_together(self.info):  # e.g. a folder that another node cannot see
+            return PreparedData.load(path)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -173,7 +171,7 @@ class Trainer:
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
 
     def _resume(self) -> None:
-        latest = self.ckpt.latest()
+        latest = self.ckpt.resume_point()
         if latest is None:
             # Records of an attempt killed before its first checkpoint would precede a second step 1.
             dropped = self.metrics.truncate_after(-1) if self.main else 0

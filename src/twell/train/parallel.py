@@ -4,9 +4,16 @@ The model never knows about these: :func:`apply_activation_checkpointing`, :func
 and :func:`apply_fsdp` take a built ``LlamaForCausalLM`` and change how it runs, in that order.
 Launch several processes with torchrun, e.g. ``torchrun --nproc_per_node 8 -m twell.train ...``
 (several nodes: add ``--nnodes``, ``--node_rank`` and ``--rdzv_endpoint``).
+
+Errors on some ranks only: where the ranks wait for one another's work during set-up (rank 0 prepares the data,
+the others wait for it), :func:`fail_together` makes every rank raise when any did. Anywhere else (a rank that
+fails while the others sit in a collective) the failing process exits at once, without tearing the process group
+down, and torchrun stops the others (``python -m twell.train`` does both). :func:`first_to_fail` picks the one
+rank that prints the error.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -71,6 +78,65 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     t = torch.tensor([1 if flag else 0], device=info.device)
     dist.broadcast(t, 0)
     return bool(t.item())
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank that did not fail itself when another rank's error stops the job (that rank reports it)."""
+
+
+@contextlib.contextmanager
+def fail_together(info: DistInfo):
+    """Run the block on every rank, then agree: when it raised on any rank, it raises on every rank.
+
+    A rank that raised re-raises its own error; the others raise :class:`PeerFailed` naming the first failing rank
+    and its message. The outcome travels in one small all-gather at the end of the block, which is therefore a
+    synchronisation point (a barrier). The block must not enter a collective that a rank raising earlier in the
+    block would skip: that would pair the agreement with the wrong collective.
+    """
+    if not info.distributed:
+        yield
+        return
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is not an Exception
+        error = exc
+    outcomes: list[str | None] = [None] * info.world
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+    if failed:
+        r, msg = failed[0]
+        raise PeerFailed(f"rank {r} of {info.world} failed: {msg}")
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    """Rank ``src``'s ``obj`` (picklable), on every rank."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def first_to_fail(timeout_s: float = 5.0) -> bool:
+    """True on the one rank of a failing multi-process job that should print the error: the first to ask.
+
+    The ranks ask torchrun's key-value store (hosted by its agent, so it outlives any worker, and reachable before
+    the process group exists). A rank whose error only follows from another's (a peer closed the connection) asks
+    after that rank did, so it stays quiet. Without torchrun's store every failing rank prints.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    rank = os.environ.get("RANK", "0")
+    key = f"twell/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return store.compare_set(key, "", rank).decode() == rank
+    except Exception:  # no store to ask (the agent is gone): better twice than never
+        return True
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
