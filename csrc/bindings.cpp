@@ -70,25 +70,24 @@ float env_nonnegative(const char* name, float fallback) {
 // neurons satisfies |U| <= ratio x (entries - base); ratio 0 turns it off. TWELL_UNION_RATIO and
 // TWELL_UNION_BASE override the defaults (read on every call, so a benchmark can compare settings in
 // one process). Off by default: the plan costs 0.06-0.1 ms per call where no block qualifies, as on
-// every generator input (csrc/NOTES.md, v6.1 and session 19). Session 19 fitted ratio 0.43 with
-// base 600 to the per-layer times measured so far (trained layers and generator inputs).
+// every generator input; the fitted rule and why it is off by default: docs/kernels.md §7.
 constexpr float kUnionRatioDefault = 0.0f;
 constexpr float kUnionBaseDefault = 0.0f;
 float union_ratio() { return env_nonnegative("TWELL_UNION_RATIO", kUnionRatioDefault); }
 float union_base() { return env_nonnegative("TWELL_UNION_BASE", kUnionBaseDefault); }
 
-// Weight-stationary path (csrc/twell_stationary.cu): TWELL_STATIONARY = 0 (off) or 1 (wherever it is
-// supported), read on every call. Off by default: slower than the per-row kernel (csrc/NOTES.md, v7).
-constexpr int kStationaryDefault = 0;
-// Heavy rows the dense path (csrc/twell_dense.cu) can hold per call: M / 8 rounded up to 128 rows
-// (the paper sizes its training dense backup the same way), at most M rounded up to 128, and 0 (off)
-// below kDenseMinRows, where the path could never run. Workspace: cap x (D + H rounded up to 256)
-// bf16, 126 MB at M = 65536 for the paper's shapes, where the heavy-tail case queues ~4100 rows.
-// With more heavy rows than cap, the per-row heavy kernel takes all of them. $TWELL_DENSE_CAP
-// overrides the rule (rows, rounded up to 128; 0, or anything under kDenseMinRows, turns it off).
+// Rows of one round of the dense path (csrc/twell_dense.cu): M / 8 rounded up to 128 (the paper sizes
+// its training dense backup the same way), at least kDenseRoundFloor, at most M rounded up to 128, and
+// 0 (off) below kDenseMinRows, where the path could never run. Workspace: cap x (D + H rounded up to
+// 256) bf16: 126 MB at M = 65536 for the paper's shapes, where the heavy-tail case queues ~4100 rows,
+// and 63 MB from M = 4096 to 32768 (the dense FFN's own hidden state there is 92-738 MB). The floor keeps rounds efficient on near-dense inputs: a round of
+// 512 rows leaves most SMs idle in its down GEMM (32 tiles of 128 x 256). More heavy rows than cap
+// take several rounds. $TWELL_DENSE_CAP overrides the rule (rows, rounded up to 128; 0, or anything
+// under kDenseMinRows, turns the path off).
+constexpr int64_t kDenseRoundFloor = 4096;
 int64_t dense_cap(int64_t M) {
   auto up = [](int64_t v) { return (v + 127) / 128 * 128; };
-  int64_t cap = up(M / 8);
+  int64_t cap = M < twell::kDenseMinRows ? 0 : std::max(up(M / 8), kDenseRoundFloor);
   const char* env = std::getenv("TWELL_DENSE_CAP");
   if (env != nullptr && *env != '\0') {
     char* end = nullptr;
@@ -98,15 +97,6 @@ int64_t dense_cap(int64_t M) {
   }
   cap = std::min(cap, up(M));
   return cap < twell::kDenseMinRows ? 0 : cap;
-}
-
-int stationary_mode() {
-  const char* env = std::getenv("TWELL_STATIONARY");
-  if (env == nullptr || *env == '\0') return kStationaryDefault;
-  const std::string v(env);
-  if (v == "0") return 0;
-  if (v == "1") return 1;
-  TORCH_CHECK(false, "TWELL_STATIONARY must be 0 or 1, got '", v, "'");
 }
 
 // Words of the spill area for M rows: room for about 1% of rows fully dense (past it, tiles keep
@@ -159,7 +149,7 @@ twell::FfnPaths ffn_paths(int64_t M, double union_ratio_arg, double union_base_a
                             std::isfinite(union_base_arg)),
               op, ": union_ratio and union_base must both be finite and >= 0 (or both negative: the "
               "TWELL_UNION_* setting), got ", union_ratio_arg, " and ", union_base_arg);
-  return {stationary_mode(), per_call ? float(union_ratio_arg) : union_ratio(),
+  return {per_call ? float(union_ratio_arg) : union_ratio(),
           per_call ? float(union_base_arg) : union_base(), int(dense_cap(M))};
 }
 
@@ -214,8 +204,9 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
 }
 
 // The whole gated FFN in one op (twell.kernels.sparse_gated_ffn): gate kernel, then the fused
-// kernels, with the light kernel overlapping the gate kernel's last wave (v13). The TwELL stays
-// internal, so nothing outside the op sees its ready counters or the queue zeroed ahead of time.
+// kernels, with the light kernel overlapping the gate kernel's last wave (docs/kernels.md §6). The
+// TwELL stays internal, so nothing outside the op sees its ready counters or the queue zeroed ahead of
+// time.
 at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                       const at::Tensor& w_down_t, int64_t tile, int64_t compression, double union_ratio_arg,
                       double union_base_arg) {
@@ -305,7 +296,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("union_base") = -1.0);
   m.def("dense_cap", &dense_cap, "heavy rows the dense path may take for M rows ($TWELL_DENSE_CAP or the default)",
         pybind11::arg("M"));
-  m.def("stationary_mode", &stationary_mode, "weight-stationary path: 0 off, 1 on ($TWELL_STATIONARY)");
   m.def("union_ratio", &union_ratio, "block-union threshold in effect ($TWELL_UNION_RATIO or the default)");
   m.def("union_base", &union_base, "block-union fixed-cost term in entries ($TWELL_UNION_BASE or the default)");
   m.def("sparse_ffn_spill_words", &sparse_ffn_spill_words,

@@ -116,7 +116,7 @@ struct TileEntries {
 };
 
 // TwELL words and spill entries are read with ld.global.cg (L2 only), not the non-coherent path:
-// since v13 the fused kernel may run while the gate kernel still writes rows it has not yet released
+// in the one op the fused kernel may run while the gate kernel still writes rows it has not yet released
 // (ready flags, twell_ffn.cu), and a line cached on the non-coherent path could be stale. Each word
 // is read once, so no reuse is lost.
 __device__ __forceinline__ uint32_t ld_cg(const uint32_t* p) { return __ldcg(p); }
@@ -193,15 +193,14 @@ __device__ __forceinline__ uint4 ldg_nc(const void* p) {
   return r;
 }
 
-// rowcnt of a row that another kernel computes (the per-row kernels), in the plans of the union and
-// stationary paths.
+// rowcnt of a row that another kernel computes (the per-row kernels), in the union path's plan.
 constexpr uint32_t NOT_HERE = 0xFFFFFFFFu;
 
 // The dynamic shared memory, aligned to ALIGN bytes (1024 for 128-byte swizzled wgmma tiles).
 // The padding is added to the array itself, not to an integer made from its address: the compiler
 // then still knows that the pointer and everything derived from it are shared memory, and emits
 // ld/st.shared. (Rounding a uintptr_t loses that: every access became a generic LD.E / ST.E, whose
-// latency sat in the union down kernel's row builders, csrc/NOTES.md, session 21.)
+// latency sat in the union down kernel's row builders; docs/kernels.md §7, "shared memory by address".)
 template <int ALIGN>
 __device__ __forceinline__ uint8_t* aligned_smem() {
   extern __shared__ uint8_t raw[];

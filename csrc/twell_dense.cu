@@ -1,4 +1,4 @@
-// Dense path for heavy rows (v12).
+// Dense path for heavy rows.
 //
 // A row with more active neurons than the light kernel's list holds (LIST_CAP) goes to the heavy
 // queue. Per entry the per-row heavy kernel gathers 8 KB of weights (~1.2 ns at the ~7 TB/s L2
@@ -11,12 +11,21 @@
 // Both are the gate kernel's pipeline (one TMA producer thread, two wgmma m64n256k16 consumer
 // warpgroups, 128 x 256 tiles, persistent CTAs) with a plain epilogue. Their tile counts come from
 // the queue's count on the device: no host synchronisation, so CUDA graphs capture the call, and an
-// empty queue costs two launches of CTAs that return at once. The path takes the whole queue or
-// none of it (dense_takes_queue): fewer than kDenseMinRows rows are faster on the per-row kernel,
-// more than cap do not fit its buffers, and a partial share would depend on the queue's order (device atomics), so a
-// row's rounding could change from call to call. Either way every row's sums have a fixed order and
-// two calls agree bit for bit. The path recomputes the gate, so it needs w_act; it never reads TwELL
-// and is exact for any activation pattern.
+// empty queue costs launches of CTAs that return at once.
+//
+// Rounds: the buffers hold cap rows (the workspace stays at cap x (D + H) bf16 whatever the input).
+// Queue entries past cap go through the same two GEMMs in rounds of cap rows, in one cooperative
+// kernel that copies each round's x rows into xh and separates the round's steps with grid barriers.
+// Without it a near-dense input (most rows heavy) ran the rows past cap on the per-row heavy kernel:
+// 36 ms against 0.82 ms dense at M = 8192 with 1500 of 5632 neurons active per row (H200).
+//
+// The path takes the whole queue or none of it (dense_takes_queue): fewer than kDenseMinRows rows
+// are faster on the per-row kernel, and a partial share would depend on the queue's order (device
+// atomics), so a row's rounding could change from call to call. Either way every row's sums have a
+// fixed order and two calls agree bit for bit (a row gives the same bits in any round). The path
+// recomputes the gate, so it needs w_act; it never reads TwELL and is exact for any activation
+// pattern.
+#include <cooperative_groups.h>
 #include <cuda.h>
 
 #include "common.cuh"
@@ -39,36 +48,34 @@ constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 /*align*/ + 2 * STAGES * 
 enum Mode : int { HIDDEN_GATED = 0, HIDDEN_ACT = 1, DOWN = 2 };
 
 struct Args {
-  const uint32_t* count;  // heavy rows queued (device)
-  const uint32_t* rows;   // their row ids, in queue order
-  int cap;                // rows this path takes (a multiple of BM)
-  __nv_bfloat16* hidden;  // [cap, HP]
-  __nv_bfloat16* out;     // [M, D]
-  int D, HP;              // HP: H rounded up to BN
+  const uint32_t* count;   // heavy rows queued (device)
+  const uint32_t* rows;    // their row ids, in queue order
+  int cap;                 // rows of one round (a multiple of BM)
+  const __nv_bfloat16* x;  // [M, D], for the rounds past the first
+  __nv_bfloat16* xh;       // [cap, D]
+  __nv_bfloat16* hidden;   // [cap, HP]
+  __nv_bfloat16* out;      // [M, D]
+  int D, H, HP;            // HP: H rounded up to BN
 };
 
-// MODE HIDDEN_*: A = xh [cap, D] (map_a), B = w_act rows (map_b0) and w_up rows (map_b1, gated),
-// both K-major. MODE DOWN: A = hidden [cap, HP], B = w_down_t [H, D] read MN-major: a stage's B is
-// four 64 x 64 boxes (64 K rows of 128 bytes each, 8 KB apart along N), wgmma with B transposed.
-template <int MODE>
-__global__ void __launch_bounds__(384, 1)
-    dense_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
-                      const __grid_constant__ CUtensorMap map_b1, const Args a) {
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
-  uint64_t* empty = full + STAGES;
-
+// Rows of the queue the dense path computes in total (0 or all of them), and in its first round.
+__device__ __forceinline__ int queued_rows(const Args& a) {
   const uint32_t queued = *reinterpret_cast<const volatile uint32_t*>(a.count);
-  const int n = dense_takes_queue(queued, a.cap) ? int(queued) : 0;
-  const int m_blocks = (n + BM - 1) / BM;
+  return dense_takes_queue(queued, a.cap) ? int(queued) : 0;
+}
+
+template <int MODE>
+__device__ __forceinline__ int tile_count(int n, const Args& a) {
   constexpr int NCOL = MODE == HIDDEN_GATED ? BN / 2 : BN;  // output columns per tile
   const int n_blocks = MODE == DOWN ? (a.D + BN - 1) / BN : a.HP / NCOL;
-  const int k_blocks = MODE == DOWN ? a.HP / BK : a.D / BK;
-  const int tiles = m_blocks * n_blocks;
-  if (int(blockIdx.x) >= tiles) return;  // the whole CTA, before any barrier exists
+  return (n + BM - 1) / BM * n_blocks;
+}
 
-  const int wg = threadIdx.x / 128;
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
@@ -77,28 +84,44 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+}
+
+// MODE HIDDEN_*: A = xh [cap, D] (map_a), B = w_act rows (map_b0) and w_up rows (map_b1, gated),
+// both K-major. MODE DOWN: A = hidden [cap, HP], B = w_down_t [H, D] read MN-major: a stage's B is
+// four 64 x 64 boxes (64 K rows of 128 bytes each, 8 KB apart along N), wgmma with B transposed.
+// The CTA's share of the tiles of one GEMM over the first n rows of the buffers; DOWN stores row r
+// to out[rows[r]]. (stage, phase) is the thread's place in the ring, kept across calls: the
+// producer thread and the consumers step through the same stages in the same order.
+template <int MODE>
+__device__ __forceinline__ void gemm_tiles(const CUtensorMap* map_a, const CUtensorMap* map_b0,
+                                           const CUtensorMap* map_b1, const Args& a, int n, const uint32_t* rows,
+                                           uint8_t* smem, uint64_t* full, uint64_t* empty, int& stage,
+                                           uint32_t& phase) {
+  const int m_blocks = (n + BM - 1) / BM;
+  constexpr int NCOL = MODE == HIDDEN_GATED ? BN / 2 : BN;  // output columns per tile
+  const int k_blocks = MODE == DOWN ? a.HP / BK : a.D / BK;
+  const int tiles = tile_count<MODE>(n, a);
+  const int wg = threadIdx.x / 128;
 
   // Tiles in column-block-major order: CTAs running at the same time share the weight tile.
   if (wg == 0) {
     if (threadIdx.x != 0) return;
-    int stage = 0;
-    uint32_t phase = 1;  // a fresh barrier counts as released once
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const int mb = t % m_blocks, nb = t / m_blocks;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(&empty[stage], phase);
         uint8_t* s = smem + stage * STAGE_BYTES;
         mbar_expect_tx(&full[stage], STAGE_BYTES);
-        tma_load_2d(s, &map_a, &full[stage], kb * BK, mb * BM);
+        tma_load_2d(s, map_a, &full[stage], kb * BK, mb * BM);
         uint8_t* b = s + A_BYTES;
         if constexpr (MODE == HIDDEN_GATED) {
-          tma_load_2d(b, &map_b0, &full[stage], kb * BK, nb * NCOL);
-          tma_load_2d(b + B_BYTES / 2, &map_b1, &full[stage], kb * BK, nb * NCOL);
+          tma_load_2d(b, map_b0, &full[stage], kb * BK, nb * NCOL);
+          tma_load_2d(b + B_BYTES / 2, map_b1, &full[stage], kb * BK, nb * NCOL);
         } else if constexpr (MODE == HIDDEN_ACT) {
-          tma_load_2d(b, &map_b0, &full[stage], kb * BK, nb * NCOL);
+          tma_load_2d(b, map_b0, &full[stage], kb * BK, nb * NCOL);
         } else {
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j) tma_load_2d(b + j * (BK * 128), &map_b0, &full[stage], nb * BN + 64 * j, kb * BK);
+          for (int j = 0; j < BN / 64; ++j) tma_load_2d(b + j * (BK * 128), map_b0, &full[stage], nb * BN + 64 * j, kb * BK);
         }
         if (++stage == STAGES) { stage = 0; phase ^= 1; }
       }
@@ -109,8 +132,6 @@ __global__ void __launch_bounds__(384, 1)
   const int ct = threadIdx.x - 128 * wg;
   const int warp = ct / 32, lane = ct % 32, q = lane % 4;
   const int row_in_tile = 64 * (wg - 1) + 16 * warp + lane / 4;
-  int stage = 0;
-  uint32_t phase = 0;
   float acc[128];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int mb = t % m_blocks, nb = t / m_blocks;
@@ -135,7 +156,7 @@ __global__ void __launch_bounds__(384, 1)
       const int r = mb * BM + row_in_tile + 8 * hf;
       if constexpr (MODE == DOWN) {
         if (r >= n) continue;
-        __nv_bfloat16* o = a.out + size_t(a.rows[r]) * a.D + nb * BN + 2 * q;
+        __nv_bfloat16* o = a.out + size_t(rows[r]) * a.D + nb * BN + 2 * q;
 #pragma unroll
         for (int i = 0; i < 32; ++i)
           if (nb * BN + 8 * i + 2 * q < a.D)
@@ -143,6 +164,10 @@ __global__ void __launch_bounds__(384, 1)
                 __floats2bfloat162_rn(acc[4 * i + 2 * hf], acc[4 * i + 2 * hf + 1]);
       } else {
         uint32_t* o = reinterpret_cast<uint32_t*>(a.hidden + size_t(r) * a.HP + nb * NCOL + 2 * q);
+        // Columns past H: zero, not x . 0 from the zero-filled weight rows (NaN when x holds a NaN or an
+        // Inf), so that the down GEMM's zero-filled rows of w_down_t meet zeros.
+        const int col0 = nb * NCOL + 2 * q;
+        auto keep = [&](int col, __nv_bfloat16 v) { return col < a.H ? v : __float2bfloat16_rn(0.f); };
         if constexpr (MODE == HIDDEN_GATED) {
           // Gate column j in acc[.. j / 8 ..], up column j sixteen words further: as dense PyTorch,
           // h = bf16(relu(bf16(gate)) * bf16(up)).
@@ -153,16 +178,79 @@ __global__ void __launch_bounds__(384, 1)
             for (int e = 0; e < 2; ++e) {
               const float g = __bfloat162float(relu_bf16(acc[4 * i + 2 * hf + e]));
               const float u = __bfloat162float(__float2bfloat16_rn(acc[4 * (i + 16) + 2 * hf + e]));
-              h[e] = __float2bfloat16_rn(g * u);
+              h[e] = keep(col0 + 8 * i + e, __float2bfloat16_rn(g * u));
             }
             o[4 * i] = pack_bf16x2(h[0], h[1]);
           }
         } else {
 #pragma unroll
-          for (int i = 0; i < 32; ++i) o[4 * i] = pack_bf16x2(relu_bf16(acc[4 * i + 2 * hf]), relu_bf16(acc[4 * i + 2 * hf + 1]));
+          for (int i = 0; i < 32; ++i)
+            o[4 * i] = pack_bf16x2(keep(col0 + 8 * i, relu_bf16(acc[4 * i + 2 * hf])),
+                                   keep(col0 + 8 * i + 1, relu_bf16(acc[4 * i + 2 * hf + 1])));
         }
       }
     }
+  }
+}
+
+// The first round: min(queued, cap) rows, whose x the light kernel copied into xh.
+template <int MODE>
+__global__ void __launch_bounds__(384, 1)
+    dense_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
+                      const __grid_constant__ CUtensorMap map_b1, const Args a) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+  const int n = min(queued_rows(a), a.cap);
+  if (int(blockIdx.x) >= tile_count<MODE>(n, a)) return;  // the whole CTA, before any barrier exists
+  init_barriers(full, empty);
+  int stage = 0;
+  uint32_t phase = threadIdx.x < 128 ? 1u : 0u;  // the producer: a fresh barrier counts as released once
+  gemm_tiles<MODE>(&map_a, &map_b0, &map_b1, a, n, a.rows, smem, full, empty, stage, phase);
+}
+
+// Global writes of this thread (generic proxy) ordered before later TMA reads (async proxy) that a
+// grid barrier releases.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// The rounds past the first (queue entries cap, 2 cap, ...), launched cooperatively: every CTA is
+// resident, so the grid barriers between a round's steps cannot deadlock. Returns at once (the whole
+// grid, before any barrier) when the first round took the whole queue.
+template <bool GATED>
+__global__ void __launch_bounds__(384, 1)
+    dense_rounds_kernel(const __grid_constant__ CUtensorMap map_xh, const __grid_constant__ CUtensorMap map_act,
+                        const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_hidden,
+                        const __grid_constant__ CUtensorMap map_down, const Args a) {
+  const int queued = queued_rows(a);
+  if (queued <= a.cap) return;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+  uint64_t* empty = full + STAGES;
+  init_barriers(full, empty);
+  cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  int stage = 0;
+  uint32_t phase = threadIdx.x < 128 ? 1u : 0u;
+  const int vecs = a.D / 8;  // 16-byte vectors per row
+  const size_t threads = size_t(gridDim.x) * blockDim.x;
+  for (int base = a.cap; base < queued; base += a.cap) {
+    const int n = min(a.cap, queued - base);
+    // The previous step (the first round's down kernel, or the last grid barrier) has finished
+    // every read of xh and hidden.
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(n) * vecs; i += threads) {
+      const size_t r = i / vecs, c = i % vecs;
+      reinterpret_cast<uint4*>(a.xh + r * a.D)[c] =
+          reinterpret_cast<const uint4*>(a.x + size_t(a.rows[base + r]) * a.D)[c];
+    }
+    fence_async_global();
+    grid.sync();
+    gemm_tiles<GATED ? HIDDEN_GATED : HIDDEN_ACT>(&map_xh, &map_act, GATED ? &map_up : &map_act, a, n, nullptr,
+                                                  smem, full, empty, stage, phase);
+    fence_async_global();
+    grid.sync();
+    gemm_tiles<DOWN>(&map_hidden, &map_down, &map_down, a, n, a.rows + base, smem, full, empty, stage, phase);
+    grid.sync();  // the next round rewrites xh, and its hidden GEMM rewrites hidden
   }
 }
 
@@ -176,6 +264,26 @@ cudaError_t launch_mode(const CUtensorMap& ma, const CUtensorMap& mb0, const CUt
   return cudaGetLastError();
 }
 
+template <bool GATED>
+cudaError_t launch_rounds(const CUtensorMap& xh, const CUtensorMap& act, const CUtensorMap& up,
+                          const CUtensorMap& hidden, const CUtensorMap& down, const Args& a, int ctas,
+                          cudaStream_t stream) {
+  auto kernel = dense_rounds_kernel<GATED>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, xh, act, up, hidden, down, a);
+}
+
 }  // namespace dense
 
 int dense_hidden_width(int H) { return (H + dense::BN - 1) / dense::BN * dense::BN; }
@@ -184,23 +292,27 @@ size_t dense_workspace_words(int cap, int D, int H) {
   return (size_t(cap) * size_t(D + dense_hidden_width(H))) / 2;  // bf16 pairs
 }
 
-cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
+cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
                               int ctas, cudaStream_t stream) {
   if (cap <= 0) return cudaSuccess;
-  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || ctas <= 0) return cudaErrorInvalidValue;
+  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || x == nullptr || ctas <= 0)
+    return cudaErrorInvalidValue;
   const int HP = dense_hidden_width(H);
-  const dense::Args a{count, rows, cap, static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, HP};
+  const dense::Args a{count, rows, cap, static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(xh),
+                      static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, H, HP};
   CUtensorMap m_xh, m_act, m_up, m_hidden, m_down;
   const bool gated = w_up != nullptr;
   if (!make_map(&m_xh, xh, cap, D, dense::BM) || !make_map(&m_act, w_act, H, D, gated ? dense::BN / 2 : dense::BN) ||
       (gated && !make_map(&m_up, w_up, H, D, dense::BN / 2)) || !make_map(&m_hidden, hidden, cap, HP, dense::BM) ||
       !make_map(&m_down, w_down_t, H, D, 64))
     return cudaErrorInvalidValue;
-  const cudaError_t err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, ctas, stream)
-                                : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, ctas, stream);
+  cudaError_t err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, ctas, stream)
+                          : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, ctas, stream);
+  if (err == cudaSuccess) err = dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, ctas, stream);
   if (err != cudaSuccess) return err;
-  return dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, ctas, stream);
+  return gated ? dense::launch_rounds<true>(m_xh, m_act, m_up, m_hidden, m_down, a, ctas, stream)
+               : dense::launch_rounds<false>(m_xh, m_act, m_act, m_hidden, m_down, a, ctas, stream);
 }
 
 }  // namespace twell

@@ -3,15 +3,15 @@
 //   gated:      out[m] = sum over active n of h[m,n] * (x[m] . w_up[n]) * w_down_t[n]
 //   non-gated:  out[m] = sum over active n of h[m,n] * w_down_t[n]
 //
-// v2. The cost is moving two 4 KB weight rows (w_up[n], w_down_t[n]) from L2 per active neuron
-// and token; v1 (one pair in flight per warp, registers only) was latency-bound at ~2.9 TB/s.
+// The cost is moving two 4 KB weight rows (w_up[n], w_down_t[n]) from L2 per active neuron and
+// token; a first version (one pair in flight per warp, registers only) was latency-bound at ~2.9 TB/s.
 // Here each warp keeps K pairs in flight: lane 0 copies the rows of upcoming neurons into a
 // K-stage shared-memory ring with cp.async.bulk (one instruction per row, completion on an
 // mbarrier) while the warp computes on the current stage. x of the row sits in registers (fp32),
 // the output accumulates in fp32 registers, the hidden state never reaches memory.
 //
-// v3 (inner loop only). The v2 loop compiled to 596 instructions per active neuron: generic
-// 64-bit loads from the ring, one branch per 256-column chunk (D is a runtime value) that
+// Inner loop (docs/kernels.md §4). An earlier loop compiled to 596 instructions per active neuron:
+// generic 64-bit loads from the ring, one branch per 256-column chunk (D is a runtime value) that
 // serialised the 16 loads, and x converted from bf16 again for every neuron. Now: shared-memory
 // loads by address, all chunk loads issued before the math, no per-chunk branch (FULL = D is a
 // multiple of 256, else chunks past D are zeroed by select), x converted once per row: 375.
@@ -20,7 +20,7 @@
 // is done by one warp (light kernel); heavier rows are queued on the device and done by a whole
 // CTA each (heavy kernel: the CTA's warps split the row's entries and reduce their partial
 // outputs through shared memory), so a row with a thousand active neurons does not hold one warp
-// for milliseconds; when enough rows are heavy, the dense path (twell_dense.cu, v12) computes them
+// for milliseconds; when enough rows are heavy, the dense path (twell_dense.cu) computes them
 // all on the tensor cores instead. All launches are fixed-size (no host synchronisation: CUDA graphs
 // work).
 //
@@ -38,9 +38,9 @@ namespace ffn {
 constexpr int WARPS = 8;          // warps per CTA (both kernels)
 constexpr int K = 3;              // pairs in flight per warp
 constexpr int STAGE = 8192;       // bytes per ring stage: up row + down row of D <= 2048 bf16
-// Entries per warp list; rows with more are heavy. 128 since v12, where heavy rows mostly take the
-// dense path (twell_dense.cu): with it, 256 -> 128 took the heavy tail from 3.83 to 3.58 ms and
-// nnz 64 from 6.40 to 6.09 ms (csrc/NOTES.md, v12).
+// Entries per warp list; rows with more are heavy. 128 because heavy rows mostly take the dense path
+// (twell_dense.cu): with it, 256 -> 128 took the heavy tail from 3.83 to 3.58 ms and nnz 64 from
+// 6.40 to 6.09 ms (docs/kernels.md §5).
 constexpr int LIST_CAP = 128;
 constexpr int FLAT = 4096;        // heavy kernel: one CTA-wide list of a tile group's entries (tile <= FLAT)
 
@@ -63,7 +63,7 @@ struct Params {
   __nv_bfloat16* xh;              // dense path: x of heavy rows h < dense_cap (null: path off)
   int dense_cap;                  // the dense path's row capacity (0: off)
   int M, D, H, n_tiles, T, S;
-  const uint32_t* ready;          // v13: the gate kernel's ready counters (null: the TwELL is complete)
+  const uint32_t* ready;          // the gate kernel's ready counters (null: the TwELL is complete)
   uint32_t ready_target;          // a row's words are final once its counter reaches this
 };
 
@@ -279,7 +279,7 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
     idx = __shfl_sync(0xffffffffu, idx, 0);
     if (idx >= n_rows) return -1;
     const int row = int(p.light_rows ? p.light_rows[idx] : idx);
-    if (p.ready != nullptr) {  // v13: the gate kernel may still be writing this row
+    if (p.ready != nullptr) {  // the one op: the gate kernel may still be writing this row
       if (lane == 0)
         while (ld_acquire(p.ready + row / 32) < p.ready_target) __nanosleep(128);
       __syncwarp();  // orders the other lanes' reads of the row after lane 0's acquire
@@ -298,7 +298,7 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
 }
 
 // Light kernel: one warp per row, rows taken from a device counter (uneven row lengths do not leave
-// a few warps finishing long after the others). v8: the ring is not drained at row boundaries. Each
+// a few warps finishing long after the others). The ring is not drained at row boundaries: each
 // warp decodes its next row (from global memory) while the current row's weight copies are in
 // flight, and issues the next row's first pairs as the current row's last ones are consumed.
 template <int CH, bool GATED, bool FULL>
@@ -422,10 +422,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   }
 }
 
-// The one optional path a call takes: the weight-stationary one first, else the block-union one.
-enum class Optional { none, stationary, block_union };
+// The one optional path a call may take: the block-union one.
+enum class Optional { none, block_union };
 inline Optional optional_path(int D, int H, bool gated, const FfnPaths& paths) {
-  if (stationary_used(paths.stationary, D, H, gated)) return Optional::stationary;
   if (paths.union_ratio > 0.f && union_supported(D, H, gated)) return Optional::block_union;
   return Optional::none;
 }
@@ -435,20 +434,20 @@ inline Optional optional_path(int D, int H, bool gated, const FfnPaths& paths) {
 inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& paths) {
   size_t w = heavy_words(M);
   switch (optional_path(D, H, gated, paths)) {
-    case Optional::stationary: w += stationary_workspace_words(M, D, H); break;
     case Optional::block_union: w += union_workspace_words(M, H); break;
     case Optional::none: break;
   }
   return (w + 31) & ~size_t(31);
 }
 
-// p.ready set (v13): the call follows the gate kernel that wrote p.tw with ready counters, and the
-// caller zeroed the queue header before that kernel. The light kernel is then launched with
-// programmatic stream serialization: its CTAs start as the gate kernel's CTAs leave (the gate's last
-// partial wave leaves most SMs idle for a tile's time), and each warp waits for its row's counter.
+// p.ready set (the one op, docs/kernels.md §6): the call follows the gate kernel that wrote p.tw with
+// ready counters, and the caller zeroed the queue header before that kernel. The light kernel is
+// then launched with programmatic stream serialization: its CTAs start as the gate kernel's CTAs
+// leave (the gate's last partial wave leaves most SMs idle for a tile's time), and each warp waits
+// for its row's counter.
 template <int CH, bool FULL>
-cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& paths, const StWorkspace* sw, int device,
-                      cudaStream_t stream, int max_sms) {
+cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& paths, int device, cudaStream_t stream,
+                      int max_sms) {
   const bool after_gate = p.ready != nullptr;
   const bool gated = p.w_up != nullptr;
   auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
@@ -459,9 +458,6 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& path
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (max_sms > 0) sms = std::min(sms, max_sms);
   if (err == cudaSuccess && !after_gate) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
-  if (err == cudaSuccess && sw != nullptr)
-    err = launch_stationary_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles, p.S,
-                                 stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_plan(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S,
                             paths.union_ratio, paths.union_base, stream);
@@ -479,13 +475,10 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& path
   cfg.attrs = attr;
   cfg.numAttrs = after_gate ? 1 : 0;
   err = cudaLaunchKernelEx(&cfg, light, p);
-  if (err == cudaSuccess && sw != nullptr)
-    err = launch_stationary_products(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *sw, p.M, p.D, p.H, p.n_tiles,
-                                     p.S, device, stream);
   if (err == cudaSuccess && uw != nullptr)
     err = launch_union_mma(p.x, p.tw, p.spill, p.w_up, p.w_down_t, p.out, *uw, p.M, p.D, p.H, p.n_tiles, p.S, stream);
   if (err == cudaSuccess && p.dense_cap > 0)
-    err = launch_dense_rows(p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
+    err = launch_dense_rows(p.x, p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
                             p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, sms, stream);
   if (err != cudaSuccess) return err;
   heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
@@ -502,8 +495,7 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   const bool gated = w_up != nullptr;
   const ffn::Optional path = ffn::optional_path(D, H, gated, paths);
   if (ready != nullptr && path != ffn::Optional::none) return cudaErrorInvalidValue;
-  const bool use_st = path == ffn::Optional::stationary, use_union = path == ffn::Optional::block_union;
-  const StWorkspace sw = stationary_workspace(workspace + ffn::heavy_words(M), M, D, H);
+  const bool use_union = path == ffn::Optional::block_union;
   const Workspace uw = union_workspace(workspace + ffn::heavy_words(M), M, H);
   ffn::Params p{static_cast<const __nv_bfloat16*>(x),
                 tw,
@@ -513,8 +505,8 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
                 static_cast<const __nv_bfloat16*>(w_down_t),
                 static_cast<__nv_bfloat16*>(out),
                 workspace,
-                use_st ? sw.light_rows : use_union ? uw.light_rows : nullptr,
-                use_st ? sw.ctr : use_union ? uw.ctr : nullptr,
+                use_union ? uw.light_rows : nullptr,
+                use_union ? uw.ctr : nullptr,
                 nullptr,
                 0,
                 M,
@@ -526,7 +518,6 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
                 ready,
                 gate_ready_target(H)};
   const Workspace* u = use_union ? &uw : nullptr;
-  const StWorkspace* st = use_st ? &sw : nullptr;
   // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
   p.dense_cap = w_act != nullptr ? paths.dense_cap : 0;
   p.xh = p.dense_cap > 0 ? reinterpret_cast<__nv_bfloat16*>(workspace + ffn::dense_offset(M, D, H, gated, paths)) : nullptr;
@@ -534,14 +525,14 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
   switch (CH * (full ? -1 : 1)) {
-    case 1: return ffn::launch_ch<1, false>(p, u, paths, st, device, stream, max_sms);
-    case 2: return ffn::launch_ch<2, false>(p, u, paths, st, device, stream, max_sms);
-    case 4: return ffn::launch_ch<4, false>(p, u, paths, st, device, stream, max_sms);
-    case 8: return ffn::launch_ch<8, false>(p, u, paths, st, device, stream, max_sms);
-    case -1: return ffn::launch_ch<1, true>(p, u, paths, st, device, stream, max_sms);
-    case -2: return ffn::launch_ch<2, true>(p, u, paths, st, device, stream, max_sms);
-    case -4: return ffn::launch_ch<4, true>(p, u, paths, st, device, stream, max_sms);
-    default: return ffn::launch_ch<8, true>(p, u, paths, st, device, stream, max_sms);
+    case 1: return ffn::launch_ch<1, false>(p, u, paths, device, stream, max_sms);
+    case 2: return ffn::launch_ch<2, false>(p, u, paths, device, stream, max_sms);
+    case 4: return ffn::launch_ch<4, false>(p, u, paths, device, stream, max_sms);
+    case 8: return ffn::launch_ch<8, false>(p, u, paths, device, stream, max_sms);
+    case -1: return ffn::launch_ch<1, true>(p, u, paths, device, stream, max_sms);
+    case -2: return ffn::launch_ch<2, true>(p, u, paths, device, stream, max_sms);
+    case -4: return ffn::launch_ch<4, true>(p, u, paths, device, stream, max_sms);
+    default: return ffn::launch_ch<8, true>(p, u, paths, device, stream, max_sms);
   }
 }
 }  // namespace ffn

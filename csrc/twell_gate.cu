@@ -78,7 +78,7 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank
 // consumers recompute that tile from x and the weights (slow but exact).
 // ready (may be null; zeroed before the launch): one counter per 32 rows, raised by one when a
 // packer warp has stored those rows' words for one GEMM column block; the rows are final at
-// ready_target(H). The fused kernel, launched to overlap this one (v13), waits on them.
+// ready_target(H). The fused kernel, launched to overlap this one (docs/kernels.md §6), waits on them.
 struct Spill {
   uint32_t* words;
   uint32_t* used;  // zeroed before the launch
@@ -119,7 +119,7 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // re-reading each value, and stores the entries in column order.
 template <int T>
 __device__ __forceinline__ void pack_row(uint32_t stg, int r, int m0, int M, uint32_t* __restrict__ out, int nb, int S,
-                                         int n_twell_tiles, const Spill& spill) {
+                                         int n_twell_tiles, int H, const Spill& spill) {
   constexpr int CH = T / 8;         // 16-byte chunks per TwELL tile row
   constexpr int MW = (CH + 3) / 4;  // mask words, 4 chunks each
   const int row = m0 + r;
@@ -133,6 +133,14 @@ __device__ __forceinline__ void pack_row(uint32_t stg, int r, int m0, int M, uin
     for (int i = 0; i < MW; ++i) mw[i] = 0;
 #pragma unroll
     for (int c = 0; c < CH; ++c) mw[c / 4] |= nonzero8(lds128(stg + stg_offset(r, tt * CH + c))) << (8 * (c % 4));
+    // Columns past H (the last tile's padding): W_gate's rows there are TMA zero fill, so their value
+    // is x . 0, which is NaN when x holds a NaN or an Inf. Never an entry: bit b of mw[i] is column 32 i + b.
+    const int valid = H - t * T;
+    if (valid < T) {
+#pragma unroll
+      for (int i = 0; i < MW; ++i)
+        mw[i] &= valid >= 32 * (i + 1) ? 0xFFFFFFFFu : valid <= 32 * i ? 0u : (1u << (valid - 32 * i)) - 1u;
+    }
     int total = 0;
 #pragma unroll
     for (int i = 0; i < MW; ++i) total += __popc(mw[i]);
@@ -186,7 +194,7 @@ __global__ void __launch_bounds__(384, 1)
   const int k_blocks = D / BK;
   const uint32_t rank = CL > 1 ? cluster_rank() : 0;
   const int group0 = blockIdx.x / CL, group_step = gridDim.x / CL;
-  // A kernel launched after this one with programmatic stream serialization (the fused kernel, v13)
+  // A kernel launched after this one with programmatic stream serialization (the fused kernel)
   // may start as SMs free up; it waits on the ready counters, not on this grid's end.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
@@ -235,7 +243,7 @@ __global__ void __launch_bounds__(384, 1)
         sphase ^= 1;
         // Units of 32 consecutive rows, one row per lane, dealt round-robin to the packer warps.
         for (int u = pw; u < BM / 32; u += PACK_WARPS) {
-          pack_row<T>(stg, 32 * u + lane, m0, M, out, nb, S, n_twell_tiles, spill);
+          pack_row<T>(stg, 32 * u + lane, m0, M, out, nb, S, n_twell_tiles, H, spill);
           if (spill.ready != nullptr && m0 + 32 * u < M) {
             // Release: every lane's stores, then the counter (the pattern of a grid barrier).
             __syncwarp();

@@ -16,7 +16,7 @@ namespace twell {
 // Overflowing tile rows go to spill[0 .. spill_cap) (count word = 0x80000000 | offset); *spill_used
 // (zeroed here) ends as the words claimed. spill may be null (then counts keep the true count).
 // ready: the gate_ready_words(M) words after *spill_used are counters (zeroed here with it) that
-// release rows to a fused kernel launched right after with ffn_after_gate (v13): counter r / 32
+// release rows to a fused kernel launched right after (launch_sparse_gated_ffn): counter r / 32
 // reaches gate_ready_target(H) once row r's words are stored.
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
@@ -29,14 +29,12 @@ uint32_t gate_ready_target(int H);
 // in-kernel recompute of overflowing tiles without a spill copy (when null, such rows are left
 // unwritten for the caller). workspace: ffn_workspace_words(...) uint32 words. 64 <= D <= 2048.
 // Optional paths for the rows that allow them (the per-row kernels take the rest):
-//   stationary: the weight-stationary kernels (twell_stationary.cu), when stationary_used(...);
 //   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
 //   when its union U of active neurons satisfies |U| <= union_ratio x (entries - union_base).
-//   dense_cap > 0: when w_act is given and between kDenseMinRows and dense_cap (a multiple of 128)
-//   rows are heavy, all of them go through the dense tensor-core path (twell_dense.cu) instead of
-//   the per-row heavy kernel.
+//   dense_cap > 0: when w_act is given and at least kDenseMinRows rows are heavy, all of them go
+//   through the dense tensor-core path (twell_dense.cu) instead of the per-row heavy kernel, in
+//   rounds of dense_cap rows (a multiple of 128).
 struct FfnPaths {
-  int stationary;     // 0 off, 1 on where supported
   float union_ratio;  // 0 off
   float union_base;   // entries the union path's fixed cost per block is worth (0: the plain ratio rule)
   int dense_cap;      // 0 off
@@ -48,17 +46,18 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
 size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPaths paths);
 // The whole gated FFN: gate kernel (TwELL into tw, spill area as in launch_gate_twell, plus
 // gate_ready_words(M) ready counters after *spill_used), then the fused kernels with w_act = w_gate.
-// v13: without an optional path the light kernel overlaps the gate kernel's last wave (ready
-// counters, programmatic stream serialization); workspace as for launch_twell_ffn.
+// Without an optional path the light kernel overlaps the gate kernel's last wave (ready counters,
+// programmatic stream serialization; docs/kernels.md §6); workspace as for launch_twell_ffn.
 cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t,
                                     void* out, uint32_t* tw, uint32_t* spill, uint32_t* spill_used, uint32_t spill_cap,
                                     uint32_t* workspace, int M, int D, int H, int tile, int S, FfnPaths paths,
                                     int device, cudaStream_t stream);
 
 // Dense path for heavy rows (twell_dense.cu): when dense_takes_queue(*count, cap), for every entry h,
-// out[rows[h]] = (relu(xh[h] @ w_act^T) [* (xh[h] @ w_up^T) if w_up]) @ w_down_t, with the hidden
-// state in hidden [cap, dense_hidden_width(H)] (bf16). xh [cap, D] holds the rows' x (the light
-// kernel copies it). cap % 128 == 0, D % 64 == 0.
+// out[rows[h]] = (relu(x[rows[h]] @ w_act^T) [* (x[rows[h]] @ w_up^T) if w_up]) @ w_down_t, in rounds
+// of cap rows, with the round's x rows in xh [cap, D] and its hidden state in hidden
+// [cap, dense_hidden_width(H)] (bf16). The light kernel copies the first round's x rows into xh; the
+// path copies the others. cap % 128 == 0, D % 64 == 0.
 // The path runs only when at least this many rows are queued. Its two kernels take ~0.08 ms even
 // for one row block (measured: the down kernel's K loop over H is the critical path), while the
 // per-row heavy kernel gathers ~1.2 ns of weights per entry over the GPU: 384 rows of ~180 entries
@@ -66,11 +65,11 @@ cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const voi
 constexpr int kDenseMinRows = 384;
 // Whether the dense path takes the whole heavy queue (else the per-row heavy kernel takes all of it).
 __host__ __device__ inline bool dense_takes_queue(uint32_t queued, int cap) {
-  return cap > 0 && queued >= uint32_t(kDenseMinRows) && queued <= uint32_t(cap);
+  return cap > 0 && queued >= uint32_t(kDenseMinRows);
 }
 int dense_hidden_width(int H);
 size_t dense_workspace_words(int cap, int D, int H);
-cudaError_t launch_dense_rows(const void* w_act, const void* w_up, const void* w_down_t, void* out,
+cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
                               int ctas, cudaStream_t stream);  // ctas: persistent CTAs per kernel (the SMs to use)
 
@@ -95,30 +94,6 @@ cudaError_t launch_union_plan(const void* x, const uint32_t* tw, const uint32_t*
 cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
                              int S, cudaStream_t stream);
-
-// Weight-stationary path (twell_stationary.cu). Device scratch, carved from the caller's workspace.
-struct StWorkspace {
-  uint32_t* ctr;         // [0] rows queued for the per-row kernel, [1] pairs listed
-  uint32_t* light_rows;  // [M] rows queued for the per-row kernel
-  uint32_t* rowcnt;      // [M] entries of the row, or 0xFFFFFFFF when the per-row kernels compute it
-  uint32_t* seg;         // per block of 256 rows and slice of H: (first pair, pairs)
-  uint32_t* ent;         // [M, 128] the row's entries: gate (then h) bf16 << 16 | neuron
-  uint32_t* qpair;       // [M * 128] pairs, row << 7 | entry index, grouped by block and slice
-  uint16_t* qcol;        // [M * 128] the pair's neuron (so the up kernel needs no lookup in ent)
-  float* part;           // [D / 64 / cluster, M * 128] partial up-projection sums per pair
-};
-bool stationary_supported(int D, int H, bool gated);
-// Whether the path runs for this call: mode 1 and supported. There is no automatic rule: on the H100
-// it was slower than the per-row kernel on every input measured (csrc/NOTES.md, v7).
-bool stationary_used(int mode, int D, int H, bool gated);
-size_t stationary_workspace_words(int M, int D, int H);
-StWorkspace stationary_workspace(uint32_t* base, int M, int D, int H);
-cudaError_t launch_stationary_plan(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
-                                   const void* w_down_t, void* out, const StWorkspace& w, int M, int D, int H,
-                                   int n_tiles, int S, cudaStream_t stream);
-cudaError_t launch_stationary_products(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_up,
-                                       const void* w_down_t, void* out, const StWorkspace& w, int M, int D, int H,
-                                       int n_tiles, int S, int device, cudaStream_t stream);
 
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
 const char* last_error();

@@ -1,4 +1,4 @@
-// Block-union fused up/down projection on tensor cores (v6), gated FFN, inference.
+// Block-union fused up/down projection on tensor cores, gated FFN, inference (docs/kernels.md §7).
 //
 // The per-row kernel (twell_ffn.cu) reads two 4 KB weight rows from L2 per (token, active neuron):
 // it sits at the L2 gather ceiling (~7.5 TB/s). Tokens of a block share active neurons (trained
@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(256) plan_kernel(const Params p) {
   const bool use = any && p.ratio > 0.f && float(entries) >= p.base &&
                    float(n_union) <= p.ratio * (float(entries) - p.base);
   if (!use) {  // uniform over the CTA: every thread computed the same entries and n_union
-    // Every row of the block goes to the per-row kernel: one claim per block. (One atomic per row,
-    // as before session 19, put M atomics on one counter; row order in the list does not matter,
-    // each row's sum is fixed.)
+    // Every row of the block goes to the per-row kernel: one claim per block. (One atomic per row
+    // would put M atomics on one counter; row order in the list does not matter, each row's sum is
+    // fixed.)
     __shared__ uint32_t first;
     const int n_rows = min(UB, p.M - b * UB);
     if (threadIdx.x == 0) first = atomicAdd(&p.w.ctr[0], uint32_t(n_rows));
@@ -229,14 +229,14 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int s
 // Offset of 16-byte chunk `ch` of 128-byte row `r` in a 128B-swizzled tile.
 __device__ __forceinline__ uint32_t swz(int r, int ch) { return uint32_t(r * 128 + ((ch ^ (r & 7)) << 4)); }
 
-// Persistent (session 19): CTA c takes union blocks c, c + gridDim.x, ... of the plan's list, with one
+// Persistent: CTA c takes union blocks c, c + gridDim.x, ... of the plan's list, with one
 // ring whose stages and phases run on across blocks. (Before, one CTA per block of M was launched and
 // the CTAs without a union block exited: ~0.08 ms of empty CTAs where few blocks took the path.)
 __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
   const int n_ub = int(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1]));
   if (int(blockIdx.x) >= n_ub) return;
   uint8_t* smem = aligned_smem<1024>();
-  // Hide from the compiler that smem is shared memory (generic accesses, as before session 21): every
+  // Hide from the compiler that smem is shared memory (generic accesses, see aligned_smem): every
   // hot access here is an explicit shared-space instruction anyway, and with the pointer known as
   // shared, ptxas spills 4 bytes in this 168-register kernel.
   asm volatile("" : "+l"(smem));
@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
     // is = rg (mod 8), so its swizzled chunk position is the same for all m: one destination offset
     // plus 2 KB per m. The rows' element offsets (neuron * D) sit in shared memory, 32 words per row
     // group (stride 36: the 4 groups of a warp read different banks), and are read 4 at a time: the
-    // copy loop has no dependent load per copy (v6 spent most of its time on those).
+    // copy loop has no dependent load per copy (the first build spent most of its time on those;
+    // docs/kernels.md §7).
     const int t = threadIdx.x, ch = t % 8, rg = t / 8;
     const uint32_t offs = smem_u32(rowoff + rg * OFF_STRIDE);
     const uint32_t dst0 = uint32_t(rg * 128 + ((ch ^ (rg & 7)) << 4));
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
     // A row's entries ascend in rank (the plan sorts them), so the entries on this warpgroup's 256
     // columns of a pass are one run: a cursor per row walks each entry about twice per block (its own
     // run, then skipped by the other warpgroup), where a scan per pass read all of them every pass
-    // (session 23's ncu: ~35% of consumer time).
+    // (ncu: ~35% of consumer time; docs/kernels.md §7).
     uint32_t* ent[2];
     uint32_t n[2], cur[2] = {0u, 0u};
 #pragma unroll
@@ -353,11 +354,11 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
           [](uint32_t bb, int k) { return smem_desc(bb + 32 * k); });
       // The pass's last stage is held: this warpgroup's B half of it (32 KB, read only by its own
       // MMAs, which are done) takes the u tile, and each warp releases the stage after its epilogue.
-      // (Session 24 kept the tile in global scratch; each entry then waited on L2 for its u.)
+      // (An earlier version kept the tile in global scratch; each entry then waited on L2 for its u.)
       const uint32_t tile = smem_u32(smem + held * UP_STAGE);
       // Shared address of 16-byte chunk ch of row hf's u (the layout below, in one place).
       auto u_chunk = [&](int hf, uint32_t ch) { return tile + srow[hf] + 16 * (ch ^ flip[hf]); };
-      // Epilogue, step 1: bf16(u) of the tile to shared memory (before session 24, each entry picked
+      // Epilogue, step 1: bf16(u) of the tile to shared memory (in an earlier version each entry picked
       // its u out of the owner's 128 accumulators with a 32-way select, ~4000 instructions per warp
       // and pass). This thread holds columns 8 i + 2 q + {0, 1} of row R in acc[4 i + 2 hf + {0, 1}];
       // column c of a row sits in 16-byte chunk (i / 4) * 4 + q, word i % 4 (i = c / 8, q = c / 2 % 4),
@@ -418,7 +419,7 @@ __global__ void __launch_bounds__(384, 1) up_kernel(const Params p) {
 
 // Persistent like up_kernel. An item is (union block, 512-column chunk); CTA c takes the contiguous
 // run of items [it0, it1), so its consecutive items mostly share a block, whose staging in shared
-// memory is then done once (session 23; striding over items, as before, staged every item again).
+// memory is then done once (striding over items staged every item again; docs/kernels.md §7).
 __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
   const int n_items = p.D / DCHUNK;
   const long long n_work = (long long)(*reinterpret_cast<volatile uint32_t*>(&p.w.ctr[1])) * n_items;
@@ -443,7 +444,7 @@ __global__ void __launch_bounds__(384, 1) down_kernel(const Params p) {
       const auto [b, n_union, r0] = union_block(p, it / n_items);
       const int steps = (n_union + DK - 1) / DK, col0 = (it % n_items) * DCHUNK;
       if (it == it0 || it % n_items == 0) {  // a block's first item in this CTA's run
-        // Staged once per block by all producer threads (session 23; before, the gatherers unpacked a
+        // Staged once per block by all producer threads (before, the gatherers unpacked a
         // 16-bit id and did 64-bit address arithmetic per copy, and each builder walked its own row's
         // entries with a cursor, one dependent, bank-conflicted shared load per entry):
         // - offs: the byte offset of each union row in w_down_t, 0 past the union;

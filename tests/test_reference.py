@@ -96,6 +96,75 @@ def test_nan_in_activation_propagates():
     assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
 
 
+def _bad(t):
+    return ~torch.isfinite(t)
+
+
+@pytest.mark.parametrize("where", ["x", "w_gate", "w_up_active", "w_down_active"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_nonfinite_values_propagate_through_the_ops(where, value):
+    """The reference ops (the kernels' contract) read every active entry: a non-finite x row, a
+    non-finite gate weight (read for every row), or a non-finite up/down weight of a neuron reach
+    every row that the value enters, as in dense PyTorch; they never raise."""
+    x, wg, wu, wd = ffn_inputs(16, 64, 300, 1.0, seed=7)
+    h = F.relu(F.linear(x, wg))
+    n = int(h[5].nonzero()[0])  # a neuron active on row 5
+    rows = h[:, n] > 0
+    if where == "x":
+        x[5, 7] = value
+    elif where == "w_gate":
+        wg[n, 7] = value
+    elif where == "w_up_active":
+        wu[n, 7] = value
+    else:
+        wd[7, n] = value
+    out = sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
+    dense = dense_gated_ffn(x, wg, wu, wd)
+    bad = _bad(out)
+    if where == "x":
+        assert bad[5].any() and torch.equal(bad.any(1), _bad(dense).any(1))
+    elif where == "w_gate":  # x @ w_gate.T has the value in column n of every row: active everywhere
+        assert torch.equal(bad.any(1), _bad(dense).any(1))
+    elif where == "w_up_active":
+        assert bad[rows].any(1).all()  # every row where n is active
+    else:
+        assert bad[rows, 7].all() and not bad[:, :7].any()
+
+
+@pytest.mark.parametrize("where", ["w_up", "w_down"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_sparse_ffn_module_gives_dense_nonfinite_pattern(where, value):
+    """A non-finite up/down weight of a neuron that is inactive on most rows: dense PyTorch gives
+    NaN on every row (0 * NaN), the module's sparse path gives the same non-finite pattern, and goes
+    back to finite outputs once the weight is repaired (the check follows the weight's version)."""
+    torch.manual_seed(3)
+    ffn = SparseFFN(64, 300, path="reference").to(torch.bfloat16)
+    with torch.no_grad():
+        ffn.gate_proj.weight[:, 0] = -1.0
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)
+    x[..., 0] = 1
+    with torch.no_grad():
+        h = F.relu(ffn.gate_proj(x)).reshape(-1, 300)
+        n = int(h.gt(0).sum(0).argmin())  # the least active neuron
+        assert h[:, n].eq(0).sum() > 0
+        w = ffn.up_proj.weight if where == "w_up" else ffn.down_proj.weight
+        old = w.clone()
+        idx = (n, 3) if where == "w_up" else (3, n)
+        finite = ffn(x)
+        assert torch.isfinite(finite).all() and ffn.nonfinite_row() is None
+        w[idx] = value
+        out = ffn(x)
+        assert ffn.last_path == "twell-reference"
+        ffn.path = "dense"
+        dense = ffn(x)
+        assert _bad(dense).any()
+        assert torch.equal(_bad(out), _bad(dense))
+        ffn.path = "auto"
+        assert torch.equal(_bad(ffn(x)), _bad(dense))
+        w.copy_(old)
+        assert torch.equal(ffn(x), finite)
+
+
 @pytest.mark.parametrize("case, err, match", [
     ("x_dtype", TypeError, "x: expected bfloat16"),
     ("w_shape", ValueError, "w_up: expected"),

@@ -1,14 +1,60 @@
 // Hardware probe (not part of the extension): how fast do 128-byte pieces of random weight rows
-// move from L2 into shared memory? The block-union path (csrc/twell_union.cu, v6) gathers, per
-// pipeline stage, one 128-byte K-slice of each of 512 union rows; with 16-byte cp.async it moved
-// only ~3.4 TB/s. A bulk copy per 128-byte slice issues 8x fewer instructions. Here a CTA streams
-// "passes" of 512 random rows of a 23 MB table (like the up kernel's W_up[U] over D = 2048 in 32
-// stages of 64 KB) through a ring of STAGES buffers; the consumers only wait and release, so the
-// rate is the transfer rate. Two tables as in the real kernels (up and down rows alternate passes).
-//   cpasync16   128 producer threads, 16-byte cp.async (v6's producer)
+// move from L2 into shared memory? The block-union path's first build (csrc/twell_union.cu;
+// docs/kernels.md §7 and §12) gathers, per pipeline stage, one 128-byte K-slice of each of 512 union
+// rows; with 16-byte cp.async it moved only ~3.4 TB/s. A bulk copy per 128-byte slice issues 8x fewer
+// instructions. Here a CTA streams "passes" of 512 random rows of a 23 MB table (like the up kernel's
+// W_up[U] over D = 2048 in 32 stages of 64 KB) through a ring of STAGES buffers; the consumers only
+// wait and release, so the rate is the transfer rate. Two tables as in the real kernels (up and down
+// rows alternate passes).
+//   cpasync16   128 producer threads, 16-byte cp.async (the first union build's producer)
 //   bulk128-W   W producer warps, each lane issues its share of the 512 128-byte bulk copies
 // Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o bulk128 bulk128.cu
-#include "stationary_probe.cuh"
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <vector>
+
+#define CK(x)                                                     \
+  do {                                                            \
+    cudaError_t e = (x);                                          \
+    if (e != cudaSuccess) {                                       \
+      printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); \
+      exit(1);                                                    \
+    }                                                             \
+  } while (0)
+
+// Median of 10 timed launches (CUDA events) after 2 warm-up launches.
+template <class F>
+float median_ms(F launch) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ts;
+  for (int r = 0; r < 12; ++r) {
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 2) ts.push_back(ms);
+  }
+  CK(cudaGetLastError());
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+// A device copy of a host vector.
+template <class T>
+T* to_device(const std::vector<T>& h) {
+  void* d = nullptr;
+  CK(cudaMalloc(&d, h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return static_cast<T*>(d);
+}
 
 constexpr int ROWS_PER_STAGE = 512;  // default stage: 512 rows x 128 bytes = 64 KB
 constexpr int SEG = 128;
@@ -143,7 +189,7 @@ int main() {
   std::vector<uint16_t> h(size_t(passes) * ROWS_PER_STAGE);  // enough for every stage size
   srand(1);
   for (auto& v : h) v = uint16_t(rand() % NROWS);
-  const uint16_t* rows = to_device<uint16_t>(h);
+  const uint16_t* rows = to_device(h);
   printf("mode,stage_kb,stages,hold_clk,passes,ms,GB_per_s\n");
   run<0>("cpasync16", t0, t1, rows, passes, sink, sms);
   // Consumers that hold stages as a wgmma pipeline does (HOLD ~ the MMA time of the stage: 64 x 512

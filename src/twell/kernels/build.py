@@ -128,7 +128,7 @@ def libstdcxx_ldflags(cxx: str | None = None) -> tuple[str, ...]:
     A compiler driver that finds only libstdc++.a (the H100 image's CXX=/opt/gcc/bin/g++) links a
     private static copy of libstdc++ into the extension. Its iostream locale facets then disagree
     with those of the shared copy torch loaded, and formatting a number (any TORCH_CHECK message
-    holding one) crashes (SIGSEGV) or comes out wrong instead of raising (csrc/NOTES.md, session 18). In
+    holding one) crashes (SIGSEGV) or comes out wrong instead of raising (docs/kernels.md §11). In
     that case the loaded libstdc++.so is named as a link input, so the static archive is never used.
     """
     return _libstdcxx_ldflags(cxx or cxx_compiler())

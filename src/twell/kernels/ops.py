@@ -202,7 +202,7 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
-    last wave leaves idle and waits for each row's words (csrc/NOTES.md, v13). Same result, bit for
+    last wave leaves idle and waits for each row's words (docs/kernels.md §6). Same result, bit for
     bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``, at any compression while the
     spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
     are recomputed and agree to rounding). ``union`` is the block-union rule as in

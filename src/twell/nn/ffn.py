@@ -29,7 +29,14 @@ call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"a
 then the gate op and the fused op in turn. On the kernels both give the same bits while the spill
 area holds the tiles that overflow their slots (past it, tiles are recomputed: equal to rounding).
 The layer's TwELL uses compression 16 by default (``SPARSE_FFN_COMPRESSION``: 15 slots per
-256-column tile; 0.8-1.3% faster than the published 8 at nnz 8, csrc/NOTES.md session 18).
+256-column tile; 0.8-1.3% faster than the published 8 at nnz 8, docs/kernels.md §6).
+
+Non-finite values propagate as in dense PyTorch: a NaN or Inf in x, or anywhere in ``gate_proj``, is an
+active entry (the gate GEMM reads it for every row), so the rows it reaches come out non-finite; a
+non-finite ``up_proj`` or ``down_proj`` weight, which the sparse paths read only where its neuron is
+active, makes the output NaN where dense's ``0 * NaN`` would (:meth:`SparseFFN.nonfinite_row`). The raw
+ops (``twell.kernels``, ``twell.reference``) leave that last case to the caller: an inactive neuron
+contributes exactly nothing there.
 
 ``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
 ``"twell-reference"`` or ``"twell-kernel"``. ``keep_gate=True`` keeps the last sparse forward's TwELL
@@ -150,7 +157,7 @@ class SparseFFN(nn.Module):
         self.compression = compression
         # Block-union rule of this layer's fused kernel, (ratio, base), or None for the process-wide
         # TWELL_UNION_* setting (default off). It pays on layers with many active neurons that
-        # consecutive tokens share (csrc/NOTES.md, session 19); set it per layer.
+        # consecutive tokens share (docs/kernels.md §7); set it per layer.
         self.union = None
         self.path = path
         self.train_backend: Optional[Callable[["SparseFFN", torch.Tensor], torch.Tensor]] = None
@@ -160,10 +167,10 @@ class SparseFFN(nn.Module):
         self.last_path: Optional[str] = None
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
-        # "auto" leaves the kernels for dense above this active fraction. On the 34 real layers pooled in
-        # csrc/NOTES.md (H100, M = 65536) the per-row kernels ran 1.45x at 56.7 of 5632 active (1.0%),
-        # 1.17x at 62.4 (1.1%), 0.98x at 83.8 (1.5%) and 0.75-0.95x at 103-104: break-even near 80
-        # (1.4%). 1.25% (70 active) keeps a margin below it (session 33; it was 1% before).
+        # "auto" leaves the kernels for dense above this active fraction. On the pooled real layers
+        # (reports/tables/01_real_layers.csv, docs/kernels.md §8; H100, M = 65536) the per-row kernels
+        # ran 1.45x at 56.7 of 5632 active (1.0%), 1.17x at 62.4 (1.1%), 0.98x at 83.8 (1.5%) and
+        # 0.75-0.95x at 103-104: break-even near 80 (1.4%). 1.25% (70 active) keeps a margin below it.
         self.auto_max_active = 0.0125
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
@@ -171,6 +178,8 @@ class SparseFFN(nn.Module):
         # W_down transposed, [H, D] (w_down_t()). A plain attribute, not a buffer: DDP broadcasts buffers,
         # and ranks that ran different inference calls would disagree on it.
         self._w_down_t: Optional[torch.Tensor] = None
+        # (weights' key, NaN row or None) of the last non-finite check (:meth:`nonfinite_row`).
+        self._nonfinite: Optional[tuple] = None
 
     # -- configuration ---------------------------------------------------------------------------
     @property
@@ -401,6 +410,7 @@ class SparseFFN(nn.Module):
         follows. In eager code the tensor itself stays, so compiled graphs that read it stay valid
         (dropping it would recompile them); moving or converting the module (``.to``, ``.half``, ...)
         to another device or dtype drops it."""
+        self._nonfinite = None
         t = self._w_down_t
         if t is None:
             return
@@ -442,6 +452,30 @@ class SparseFFN(nn.Module):
             refresh_transpose(w, t)
         return t
 
+    def nonfinite_row(self) -> Optional[torch.Tensor]:
+        """What non-finite up/down weights do to every output row of dense PyTorch, or ``None`` when
+        they are finite: NaN in the columns that dense PyTorch makes NaN on every row, 0 elsewhere.
+
+        Dense PyTorch multiplies inactive neurons by zero, and ``0 * NaN`` and ``0 * Inf`` are NaN: a
+        non-finite ``up_proj`` weight makes every output NaN, a non-finite ``down_proj`` weight
+        ``[j, n]`` makes column j NaN on every row. The sparse paths never read an inactive neuron's
+        weights, so they add this row to match. Checked once per weight version (one host sync), and
+        again after :meth:`invalidate_cache`; compiled code and CUDA graph captures use the last
+        eager answer (``None`` before any)."""
+        up, down = self.up_proj.weight, self.down_proj.weight
+        if torch.compiler.is_compiling() or (up.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None if self._nonfinite is None else self._nonfinite[1]
+        key = (up.data_ptr(), up._version, down.data_ptr(), down._version)
+        if self._nonfinite is None or self._nonfinite[0] != key:
+            with torch.no_grad():
+                row = None
+                bad_up, bad_down = ~torch.isfinite(up).all(), (~torch.isfinite(down)).any(1)
+                if bool(bad_up | bad_down.any()):  # the one host sync
+                    nan = torch.tensor(float("nan"), dtype=down.dtype, device=down.device)
+                    row = torch.where(bad_down | bad_up, nan, torch.zeros((), dtype=down.dtype, device=down.device))
+            self._nonfinite = (key, row)
+        return self._nonfinite[1]
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         t, w = self._w_down_t, self.down_proj.weight
@@ -476,7 +510,7 @@ class SparseFFN(nn.Module):
             x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
         if self.gated and not (measure or self.keep_gate):
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
-            # kernel's last wave leaves idle (csrc/NOTES.md, v13).
+            # kernel's last wave leaves idle (docs/kernels.md §6).
             gate = None
             out = impl.sparse_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(),
                                         self.tile, self.compression, union=self.union)
@@ -490,4 +524,7 @@ class SparseFFN(nn.Module):
         if measure:
             self._measure_activity(gate)
         self.last_gate = gate if self.keep_gate else None
+        poison = self.nonfinite_row()
+        if poison is not None:
+            out = out + poison
         return out.reshape(*shape[:-1], out.shape[-1])
