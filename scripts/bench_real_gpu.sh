@@ -16,7 +16,7 @@
 #   TAG       suffix of the bench files (default real)
 #   SHAPES    bench shapes: real (default: the checkpoint's layers only), inference (adds the generator's
 #             cases and the odd shape) or all (adds the training shape too). With all, keep the run inside
-#             10 minutes: session 27 used BUDGET_S=185 and two IMPLS (454 s, build included)
+#             10 minutes: BUDGET_S=185 with two IMPLS took 454 s, build included
 #   BENCH_ARGS  more bench arguments, e.g. "--M 65536 --energy-seconds 2"
 #   OUT       output root (default ./runs/gpu_out)
 set -euo pipefail

@@ -109,7 +109,7 @@ def test_union_unsupported_says_why_without_building_where_the_kernels_cannot_ru
 
 def test_misaligned_tensors_are_refused_before_any_kernel_sees_them():
     """A contiguous view at an element offset faults in the kernels' vector/TMA loads and loses the
-    CUDA context (found by a review in session 33): the ops refuse it with a readable error. The
+    CUDA context (found in a code review): the ops refuse it with a readable error. The
     check itself needs no GPU; tests/test_kernels.py runs it through every op on the H100."""
     from twell.kernels.ops import check_aligned
 

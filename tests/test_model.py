@@ -400,7 +400,7 @@ def test_saving_again_into_a_folder_leaves_no_earlier_shards(tmp_path):
 
 def test_exported_token_ids_reach_generate(tmp_path):
     """A training export writes the data's eos/bos ids into config.json (extra_config); generate() reads
-    generation_config.json, which must say the same. Exports before session 37 wrote the build-time ids
+    generation_config.json, which must say the same. Older exports wrote the build-time ids
     there: a generation config derived from the model config is derived again from config.json."""
     mc = _random_cfg()
     model = build_model(mc)  # token ids 0, as a training run builds it

@@ -30,7 +30,7 @@ def _commit(root, message):
     return _git(root, "rev-parse", "HEAD")
 
 
-BASE = {"csrc/a.cu": "kernel A", "csrc/b.cuh": "header", "csrc/NOTES.md": "prose", "csrc/sub/x.cu": "not built",
+BASE = {"csrc/a.cu": "kernel A", "csrc/b.cuh": "header", "csrc/README.md": "prose", "csrc/sub/x.cu": "not built",
         "src/twell/__init__.py": "", "src/twell/m/mod.py": "x = 1", "src/twell/data.json": "{}"}
 
 
@@ -46,7 +46,7 @@ def test_tree_digests_cover_what_is_built_and_imported(tmp_path):
     _tree(tmp_path, BASE)
     d0 = pv.tree_digests(tmp_path)
     # Files the extension and the package never read leave the digests alone.
-    for name in ("csrc/NOTES.md", "csrc/sub/x.cu", "src/twell/data.json"):
+    for name in ("csrc/README.md", "csrc/sub/x.cu", "src/twell/data.json"):
         (tmp_path / name).write_text("changed")
         assert pv.tree_digests(tmp_path) == d0, name
     (tmp_path / "csrc/b.cuh").write_text("header 2")

@@ -1,5 +1,5 @@
 """SparseFFN's "auto" path on a trained checkpoint: the activity threshold alone against
-twell.model.choose_union_paths, which (session 32) also times dense against sparse per layer.
+twell.model.choose_union_paths, which also times dense against sparse per layer (docs/kernels.md §8).
 
 On batch x seq validation tokens in sequence order (one forward, so each FFN sees batch * seq tokens),
 every layer on path "auto":

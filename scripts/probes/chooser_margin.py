@@ -3,8 +3,8 @@
 Builds that test's layer a (same seed and shape), then, in this process, runs choose_union_paths
 ROUNDS times for each REPS given and prints per round: per-row ms, union ms, their ratio, and the
 decision. The first round is the one a test sees when it is the first timed call in a fresh process.
-Then ffn_times with 10 / 30 / 100 repetitions (until session 28 the chooser timed the fused op alone,
-fused_times; the JSON files of sessions 27 and before hold those).
+Then ffn_times with 10 / 30 / 100 repetitions (an earlier chooser timed the fused op alone,
+fused_times; older JSON files of this probe hold those).
 Usage (on the H100): [M=4096] PYTHONPATH=src:tests python scripts/probes/chooser_margin.py [ROUNDS] [OUT_JSON] [REPS ...]
 (REPS default: 10 30; M: tokens of the layer, the test's 4096 by default)
 """

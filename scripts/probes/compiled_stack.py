@@ -1,4 +1,4 @@
-"""Session 35: a stack of SparseFFN layers (path "kernel") eager and compiled, with W_down's transpose
+"""A stack of SparseFFN layers (path "kernel") eager and compiled, with W_down's transpose
 cache as it now is (ops inside the graph make and check it: one graph; the compiled variants start
 with no copy) and as it was (checked in Python: a graph break per layer). Wall time per call
 (synchronize before and after, median), graphs and breaks dynamo counted (cumulative over the two
@@ -19,7 +19,7 @@ from twell.nn import SparseFFN
 
 
 def old_w_down_t(self):
-    """The cache before session 35 (address and version checked in Python), for the A/B."""
+    """The earlier cache (address and version checked in Python), for the A/B."""
     w = self.down_proj.weight
     key = (w.data_ptr(), w._version, w.device, w.dtype)
     if getattr(self, "_old_t", None) is None or self._old_key != key:

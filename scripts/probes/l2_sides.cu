@@ -1,7 +1,7 @@
 // Hardware probe (not part of the extension): does the H100's L2 keep a line once per side (partition)
 // for the SMs of that side, so that weights gathered by every SM take twice their size in L2?
 // If so, a fused kernel whose SMs on each side gather only half of the neurons would see a 23 MB
-// working set per side instead of 46 MB (csrc/NOTES.md, session 32).
+// working set per side instead of 46 MB (docs/kernels.md §12, "Faster gathers").
 //
 // 1. Side map: SM 0 reads one set of 128-byte lines per SM (they land in L2); then every SM times a
 //    dependent chain through its own set. SMs on SM 0's side should find the lines near, the others far.

@@ -1,6 +1,6 @@
-"""Session 29 A/B in one process: a SparseFFN layer as it now runs (the one op, compression 16) against
-the same layer calling the gate op and the fused op (keep_gate: what every layer ran until session
-28, at compression 8, and what a layer that keeps its TwELL runs) and dense PyTorch, M = 65536,
+"""A/B in one process: a SparseFFN layer as it now runs (the one op, compression 16) against
+the same layer calling the gate op and the fused op (keep_gate: what every layer ran before the one
+op, at compression 8, and what a layer that keeps its TwELL runs) and dense PyTorch, M = 65536,
 BENCHMARK.md cases, alternating, L2 flushed, median of 30.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/module_ab.py [reps]
 """

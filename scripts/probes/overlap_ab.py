@@ -1,4 +1,4 @@
-"""v13 A/B in one process: the one-op sparse FFN (the fused kernel overlaps the gate kernel's last
+"""A/B in one process (docs/kernels.md §6): the one-op sparse FFN (the fused kernel overlaps the gate kernel's last
 wave) against the same kernels as two ops (gate, then fused: a memset between them, no overlap)
 and dense PyTorch, M = 65536, BENCHMARK.md cases, alternating, L2 flushed, median of 30.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/overlap_ab.py [reps]

@@ -28,7 +28,7 @@ from twell.nn import SparseFFN
 from twell.reference.ffn import UNION_RULE as RULE
 from union_ratio import with_ratio, with_rule  # this script's directory is on sys.path
 
-PREV_RULE = (0.43, 600.0)  # the rule fitted in session 19, before sessions 23-24 made the union kernels cheaper
+PREV_RULE = (0.43, 600.0)  # the rule fitted on the first union kernels, before they got cheaper (docs/kernels.md §7)
 
 
 def timing(x, wg, wu, wd) -> dict:

@@ -3,7 +3,7 @@
 Compiles one .cu with the extension's own flags (twell.kernels.build.compile_command), disassembles
 it with cuobjdump, and for every kernel whose name contains FILTER prints each backward-branch loop
 that holds more than MIN_FFMA FFMA instructions: its length and most common opcodes. The per-pair
-loop of the fused kernel is the one that matters (csrc/NOTES.md, v3).
+loop of the fused kernel is the one that matters (docs/kernels.md §4, "inner loop").
 
 Usage: python scripts/probes/sass_loops.py csrc/twell_ffn.cu light_kernel [MIN_FFMA]
 cuobjdump comes with the CUDA toolkit, or as the pip wheel nvidia-cuda-cuobjdump (put its bin/ on PATH,

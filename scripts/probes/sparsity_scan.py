@@ -1,5 +1,5 @@
 """Short training runs of `small` variants on one GPU, to see which shape and batch let L1 = 2e-5 reach
-high activation sparsity inside a ~10-minute budget (issue 4). Prints the active fraction along each run.
+high activation sparsity inside a ~10-minute budget (docs/training.md). Prints the active fraction along each run.
 
     PYTHONPATH=src python3 scripts/probes/sparsity_scan.py --data DIR --seconds 100 A B C
 

@@ -1,5 +1,5 @@
 """Why does a failing TORCH_CHECK whose message holds a number segfault on the H100 image (torch 2.11)
-while text-only messages raise? (Session 18: even a two-line inline extension crashes; on the CPU
+while text-only messages raise? (Even a two-line inline extension crashed there; on the CPU
 machine, torch 2.13 + g++ 12, the same code raises.) Each case runs in its own process with a SIGSEGV
 handler that prints the native backtrace. Usage: PYTHONPATH=src python scripts/probes/throw_diag.py
 """

@@ -3,8 +3,8 @@
 A benchmark JSON records digests of the code it ran (``meta["code"]``): the kernel sources in csrc/
 and the Python package src/twell, each a hash of file names and contents only (no toolchain, no
 paths), plus the checkout's commit and whether the files equal it. That commit is no proof of what
-ran: the copy of the working tree on the GPU machine carried an older ``.git`` (session 30: the last
-landed commit, with the session's changes as "local changes"), and a copy may have none. The
+ran: a copy of the working tree on a GPU machine can carry an older ``.git`` (the last landed
+commit, with everything newer reported as "local changes"), and a copy may have none. The
 digests are what ties a JSON to a tree: :func:`matching_commits` recomputes them from git objects
 and lists the commits that match.
 

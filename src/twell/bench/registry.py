@@ -73,8 +73,7 @@ def _kernels():
 def _twell_kernel_ops() -> Callable:
     """The gate op (the published compression 8), then the fused op with the per-row kernel only: the
     route a caller that keeps the TwELL takes. Against "twell-kernel" (one op at compression 16 whose
-    fused kernel overlaps the gate's last wave) it gives up about 0.3-2% (csrc/NOTES.md: v13,
-    session 18)."""
+    fused kernel overlaps the gate's last wave) it gives up about 0.3-2% (docs/kernels.md §6)."""
     kernels = _kernels()
 
     def fn(x, w_gate, w_up, w_down_t):

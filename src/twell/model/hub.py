@@ -221,7 +221,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
         gen = json.loads((ckpt / "generation_config.json").read_text())
         if gen.get("_from_model_config"):
             # Derived from the model config: its token ids follow config.json, where that names them
-            # (exports before session 37 wrote the build-time ids, 0, here and the data's in config.json).
+            # (older exports wrote the build-time ids, 0, here and the data's in config.json).
             # Set before the object is made: an object edited afterwards is validated strictly on save.
             gen.update({k: raw[k] for k in TOKEN_IDS if raw.get(k) is not None})
         gen = GenerationConfig.from_dict(gen)

@@ -3,11 +3,11 @@ on path "auto", of dense or sparse, by timing both).
 
 The block-union path (csrc/twell_union.cu) pays on layers whose tokens share many active neurons
 and loses on the others: its plan costs ~0.1 ms per call at 65536 tokens even where no block
-qualifies (csrc/NOTES.md, session 19). So rather than one process-wide setting, each SparseFFN gets
+qualifies (docs/kernels.md §7). So rather than one process-wide setting, each SparseFFN gets
 its own ``union``: the fitted rule where most blocks of a calibration batch qualify and, by default,
 the layer's sparse FFN is faster with it on that batch; off elsewhere. The timing is there because the
 share alone misroutes some layers (a trained layer with 12 active per token: 79% of blocks qualify,
-3% slower; csrc/NOTES.md, session 26).
+3% slower; docs/kernels.md §8).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from twell.nn.ffn import call_input
 from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
-MIN_TIMED_TOKENS = 16384  # below this a layer's fused op takes ~0.2 ms and its timing is noisy (session 27)
+MIN_TIMED_TOKENS = 16384  # below this a layer's fused op takes ~0.2 ms and its timing is noisy (docs/kernels.md §8)
 
 
 def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] = UNION_RULE,
@@ -35,11 +35,11 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     calls, 30 as in the benchmark); else
     ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a
     calibration timing moves by 1-2% on layers of a millisecond or more: a near tie gains nothing and
-    the union path holds more memory. (Until session 28 the fused op alone was timed; the whole op
-    also counts the gate kernel's last wave, which the union path cannot overlap: its plan reads the
-    whole TwELL first.) Calibrate on at least ~16k tokens: on a 4096-token layer
+    the union path holds more memory. (The whole op is timed, not the fused op alone: it also counts
+    the gate kernel's last wave, which the union path cannot overlap: its plan reads the whole TwELL
+    first.) Calibrate on at least ~16k tokens: on a 4096-token layer
     (~0.2 ms per call) the union / per-row ratio moved by up to 0.2 from one call to the next, with 10
-    or 30 reps alike; at 16384 tokens it moved by 0.01 (csrc/NOTES.md, session 27). A layer timed on
+    or 30 reps alike; at 16384 tokens it moved by 0.01 (docs/kernels.md §8). A layer timed on
     fewer than ``MIN_TIMED_TOKENS`` tokens gets a warning.
 
     Needs the kernels (an H100). Layers the union path cannot serve (not gated, not ReLU, biased, or a
@@ -55,7 +55,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     the chosen ``union`` against dense PyTorch on the same inputs (``dense_ms``, ``sparse_ms``); it
     stays sparse unless dense is at least ``min_gain`` faster. Trained layers with 1.5-1.9% active ran
     1.10-1.66x faster than dense with the rule, where the threshold sent them to dense
-    (csrc/NOTES.md, session 32). ``runs`` reports the outcome (``"sparse"`` or ``"dense"``; None where
+    (docs/kernels.md §8). ``runs`` reports the outcome (``"sparse"`` or ``"dense"``; None where
     nothing was timed: another path, ``timed=False``, a layer the union analysis does not cover (it
     keeps the threshold), a tracking layer, or inputs "auto" would not run on the kernels). The choice
     lasts until ``SparseFFN.reset_auto()`` or a new ``path``, which go back to the threshold; a later

@@ -38,10 +38,10 @@ def check_ffn_args(x: torch.Tensor, gate: TwELL, *weights: tuple[str, torch.Tens
         check_tensor(name, w, dtype=torch.bfloat16, shape=(gate.n_cols, x.shape[1]), device=x.device, contiguous=True)
 
 
-# The block-union rule (ratio, base), refitted on the H100 in session 24 after the union kernels got
-# cheaper (csrc/NOTES.md): per block of 64 rows, the union path pays when entries > ~400 + 1.25 |U|.
+# The block-union rule (ratio, base), refitted on the H100 after the union kernels got cheaper
+# (docs/kernels.md §7): per block of 64 rows, the union path pays when entries > ~400 + 1.25 |U|.
 # It sends every generator case and every layer of a 4-layer retrain to its faster path. Used by
-# twell.model.choose_union_paths. (Session 19's fit on the old kernels was (0.43, 600).)
+# twell.model.choose_union_paths. (The earlier fit on the first union kernels was (0.43, 600).)
 UNION_RULE = (0.8, 400.0)
 UNION_BLOCK = 64  # rows per block of the block-union path (csrc/twell_union.cu: UB)
 
@@ -103,7 +103,7 @@ def twell_ffn(act: TwELL, w_down_t: torch.Tensor) -> torch.Tensor:
 # Compression of the TwELL inside sparse_gated_ffn, which no caller sees (here and in the kernel op):
 # 16 (15 slots per 256-column tile) halves the words against the published 8 and was 0.8-1.3% faster
 # at nnz 8 and 0-0.7% elsewhere in four same-process A/Bs on the H100, outputs bit-identical
-# (csrc/NOTES.md, session 18). 32 and 64 were no faster than 16 within noise, and leave the spill area
+# (docs/kernels.md §6). 32 and 64 were no faster than 16 within noise, and leave the spill area
 # little room on denser layers.
 SPARSE_FFN_COMPRESSION = 16
 

@@ -8,7 +8,7 @@
   ``python -m twell.bench ffn`` (``ffn-*.json``) by its recorded timestamp; :class:`BenchRun`
   carries a result with where and when it was measured, and whether that was in this run.
 - :func:`speedup_table` and :func:`plot_speedup` turn a result into the table and figure of
-  notebook 01, with the speed bar of issue 3 and the published kernels' numbers for context;
+  notebook 01, with the project's speed targets and the published kernels' numbers for context;
   :func:`impl_names` lists a result's implementations (the figure adds the others' real layers).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from twell.bench.ffn import Poison, run_deviations
 from twell.bench.generator import calibrated_ffn_inputs, sparsity_stats
 from twell import paths
 
-# Speed bar of issue 3 (H100, M = 65536, D = 2048, H = 5632; ratio vs dense PyTorch in the same run).
+# The project's speed targets, "speed bar" (H100, M = 65536, D = 2048, H = 5632; ratio vs dense PyTorch in
+# the same run; docs/kernels.md §14).
 SPEED_BAR: dict[str, float] = {"nnz8": 2.8, "nnz29": 2.2, "nnz64": 1.5, "nnz29-heavy": 1.8}
 BAR_M = 65536
 # The paper's published kernels on an H100 SXM with BENCHMARK.md (shared/KERNEL_NOTES.md):
@@ -317,7 +318,7 @@ def _impl_name(result: dict, impl: str | None) -> str | None:
 
 def speedup_table(run: BenchRun, impl: str | None = None) -> pd.DataFrame:
     """One row per inference, odd and real (checkpoint layer) case of the result: measured nnz,
-    times, speedup, error, ceiling, issue 3's bar and the published kernels' speedup (both defined
+    times, speedup, error, ceiling, the speed bar and the published kernels' speedup (both defined
     at M = 65536 only), whether the bar is met (speedup >= bar and correct), and where/when it was
     measured."""
     result = run.result
@@ -483,7 +484,7 @@ def _place_labels(fig: Figure, labels: list[tuple[int, object]], step_px: float 
 
 def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFrame] = ()) -> Figure:
     """Speedup vs measured mean active neurons per row: one point per case and M (heavy tail as a
-    star, colour = M), the gate-GEMM ceiling and 1x as lines, issue 3's bar and the published
+    star, colour = M), the gate-GEMM ceiling and 1x as lines, the speed bar and the published
     kernels' speedups as markers; the title says where and when the numbers were measured.
     ``others``: speedup tables of the run's other implementations; their real (checkpoint layer)
     rows are drawn as hollow diamonds, so that the block-union rule a trained model's layers may run
@@ -549,7 +550,7 @@ def plot_speedup(table: pd.DataFrame, run: BenchRun, others: Sequence[pd.DataFra
     handles += [Line2D([], [], marker="_", color="crimson", ms=20, mew=3, ls="none"),
                 Line2D([], [], marker="_", color="darkorange", ms=20, mew=3, ls="none"),
                 Line2D([], [], marker="s", ls=":", color="dimgrey", mfc="white", ms=8)]
-    labels += ["speed bar (issue 3), nnz 8/29/64 at M = 65536", "speed bar, heavy tail (at nnz 29)",
+    labels += ["speed bar, nnz 8/29/64 at M = 65536", "speed bar, heavy tail (at nnz 29)",
                "published kernels (KERNEL_NOTES.md), M = 65536"]
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     top = [float(v) for v in (table["speedup"].max(), *(r["speedup"].max() for r in others_real))

@@ -8,7 +8,7 @@ they cover that range, which is what comparing the bars with real activations ne
 - :func:`real_layer_table`: one row per (run, layer, implementation) of every GPU result in ``dirs``
   that follows the BENCHMARK.md protocol.
 - :func:`plot_real_layers`: speedup against mean active neurons per row, with the generator's curve
-  of one run and issue 3's bars for comparison.
+  of one run and the speed bars for comparison.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def real_layer_table(dirs: Sequence[str | Path], pattern: str = "ffn-*.json") ->
     config follows the protocol, one row per implementation. ``run`` is the file's stamp and tag
     (its name less ``ffn-`` and the device); ``reuse 64`` is the active (row, neuron)
     pairs per distinct neuron in blocks of 64 rows (what the block-union path can save; NaN in runs
-    older than that statistic); ``csrc`` the kernel sources' digest (``not recorded`` before
-    session 30). Files that are not benchmark results, and runs that did not finish, are skipped; a
+    older than that statistic); ``csrc`` the kernel sources' digest (``not recorded`` in runs
+    older than that record). Files that are not benchmark results, and runs that did not finish, are skipped; a
     file found in two folders (same name) counts once."""
     rows, seen = [], set()
     for d in dirs:
@@ -127,7 +127,7 @@ def count_line(table: pd.DataFrame) -> str:
 def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None, generator_label: str = "",
                      impls: Sequence[str] | None = ("twell-kernel", "twell-kernel-union")) -> Figure:
     """Speedup vs mean active neurons per row of every real layer in ``table`` (colour and marker
-    by implementation; a thin line joins a layer's implementations), issue 3's bars at nnz 8/29/64,
+    by implementation; a thin line joins a layer's implementations), the speed bars at nnz 8/29/64,
     and, when given, the generator's M = 65536 curve of one run (a speedup_table of notebook 01) for
     comparison. ``impls``: the implementations drawn (None: all; the table keeps them all). Red
     crosses mark wrong results."""
@@ -161,7 +161,7 @@ def plot_real_layers(table: pd.DataFrame, generator: pd.DataFrame | None = None,
     bar_x = {k: float(k.removeprefix("nnz")) for k in SPEED_BAR if k != HEAVY_CASE}
     ax.plot(list(bar_x.values()), [SPEED_BAR[k] for k in bar_x], "_", color="crimson", ms=26, mew=3, ls="none")
     handles.append(Line2D([], [], marker="_", color="crimson", ms=20, mew=3, ls="none"))
-    labels.append("speed bar (issue 3, on the generator), nnz 8/29/64")
+    labels.append("speed bar (on the generator), nnz 8/29/64")
     ax.axhline(1.0, color="grey", lw=1.2)
     xmax = max(float(table["nnz mean"].max()), 64.0) * 1.08
     top = float(table["speedup"].max())  # NaN when every layer failed

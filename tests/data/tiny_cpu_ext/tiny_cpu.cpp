@@ -17,7 +17,7 @@ static PyObject* add_scaled(PyObject*, PyObject* args) {
 }
 
 // format_int(n) = str(n) through std::ostringstream: crashes when the extension carries its own static
-// libstdc++ beside the process's shared one (their locale facets disagree; csrc/NOTES.md, session 18).
+// libstdc++ beside the process's shared one (their locale facets disagree; docs/kernels.md §11).
 static PyObject* format_int(PyObject*, PyObject* args) {
     long long n;
     if (!PyArg_ParseTuple(args, "L", &n)) return nullptr;
