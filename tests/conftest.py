@@ -21,3 +21,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"CUDA available ({torch.cuda.get_device_name()}): GPU tests ran")
     else:
         terminalreporter.write_line(f"{len(gpu)} GPU tests skipped (no CUDA on this machine)")
+
+
+def put_nonfinite(where: str, value: float, n: int, x, w_gate, w_up, w_down) -> None:
+    """Write ``value`` (NaN or an Inf) in place: into row 5 of x, or into neuron n's gate, up or down
+    weight (column 7 of x's width; for down, output column 7)."""
+    if where == "x":
+        x[5, 7] = value
+    elif where == "w_gate":
+        w_gate[n, 7] = value
+    elif where.startswith("w_up"):
+        w_up[n, 7] = value
+    elif where.startswith("w_down"):
+        w_down[7, n] = value
+    else:
+        raise ValueError(f"unknown place {where!r}")

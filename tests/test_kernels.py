@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import put_nonfinite
 from twell import kernels, reference
 from twell.formats import pack_twell
 from twell.kernels.ops import SPARSE_FFN_COMPRESSION
@@ -915,14 +916,7 @@ def test_nonfinite_values_propagate_on_the_kernels(where, value, fused_path):
     x, wg, wu, wd = inputs(M, D, H, nnz=20)
     h = F.relu(F.linear(x, wg))
     n = int(h[5].nonzero()[0])
-    if where == "x":
-        x[5, 7] = value
-    elif where == "w_gate":
-        wg[n, 7] = value
-    elif where == "w_up":
-        wu[n, 7] = value
-    else:
-        wd[7, n] = value
+    put_nonfinite(where, value, n, x, wg, wu, wd)
     wdt = wd.t().contiguous()
     bad = lambda t: ~torch.isfinite(t)  # noqa: E731
     gate = kernels.twell_gate(x, wg)

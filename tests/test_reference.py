@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import put_nonfinite
 from twell.formats import HybridCapacityError
 from twell.nn import SparseFFN
 from twell.reference import (
@@ -110,14 +111,7 @@ def test_nonfinite_values_propagate_through_the_ops(where, value):
     h = F.relu(F.linear(x, wg))
     n = int(h[5].nonzero()[0])  # a neuron active on row 5
     rows = h[:, n] > 0
-    if where == "x":
-        x[5, 7] = value
-    elif where == "w_gate":
-        wg[n, 7] = value
-    elif where == "w_up_active":
-        wu[n, 7] = value
-    else:
-        wd[7, n] = value
+    put_nonfinite(where, value, n, x, wg, wu, wd)
     out = sparse_gated_ffn(x, wg, wu, wd.t().contiguous())
     dense = dense_gated_ffn(x, wg, wu, wd)
     bad = _bad(out)

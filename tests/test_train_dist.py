@@ -27,6 +27,10 @@ from twell.train import read_metrics, run
 from twell.train.checkpoint import CheckpointManager
 from twell.train.parallel import DistInfo
 
+# The 2-layer model on the smoke corpus of the single-process tests; under torchrun 2 ranks x micro-batch 4
+# make a step (no accumulation).
+from test_train_runs import _cfg as tiny_cfg, smoke_data  # noqa: E402, F401
+
 ENV = {**os.environ, "PYTHONPATH": str(repo_root() / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -98,27 +102,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.fixture(scope="module")
-def smoke_data(tmp_path_factory):
-    return prepare_data(DataConfig(source="smoke", vocab_size=512, max_docs=150),
-                        out_dir=tmp_path_factory.mktemp("data") / "smoke512", progress=False)
-
-
-@pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     path = tmp_path_factory.mktemp("worker") / "twell_train_worker.py"
     path.write_text(WORKER)
     return path
-
-
-def tiny_cfg(data, **train):
-    """A 2-layer model on the smoke corpus; under torchrun 2 ranks x micro-batch 4 make a step (no accumulation)."""
-    t = {"steps": 12, "seq_len": 32, "global_batch": 8, "micro_batch": 4, "precision": "fp32", "device": "cpu",
-         "eval_every": 6, "eval_tokens": 2048, "ckpt_every": 4, "export_dtype": "fp32", "progress": False}
-    t.update(train)
-    return {"name": "t", "model": {"vocab_size": 512, "hidden_size": 48, "intermediate_size": 96, "num_layers": 2,
-                                   "num_heads": 2, "num_kv_heads": 2, "max_position_embeddings": 64},
-            "data": {"source": str(data.dir)}, "train": t, "optim": {"lr": 3e-3, "warmup_steps": 3},
-            "sparsity": {"l1_coef": 2e-5, "positions_every": 4}}
 
 
 def torchrun_cmd(worker, cfg_path, out, *extra, nproc=2):
