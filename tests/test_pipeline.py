@@ -15,6 +15,7 @@ import yaml
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat (papermill's dependency) is not installed")
 
+from test_notebook_output import reading_problems
 from twell import pipeline as pl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,6 +274,7 @@ def test_notebook_00_cpu_smoke_writes_reports(tmp_path):
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    assert reading_problems(nb) == []
     assert nb.metadata["papermill"]["parameters"]["profile"] == "cpu-smoke"
     expected = [reports / "figures" / f"00_{n}.png" for n in ("tile_packing", "memory_footprint", "overflow_rate")]
     for stem in ("word_layout_row3_tile0", "calibrated_cases", "memory_footprint", "overflow_rate"):
@@ -300,6 +302,7 @@ def test_rest_of_pipeline_cpu_smoke(tmp_path):
     assert [(r.notebook, r.status) for r in results] == [(n, "ok") for n in _LATER]
     for r in results:
         assert r.output.is_file()
+        assert reading_problems(nbformat.read(r.output, as_version=4)) == [], r.notebook
 
 
 def test_environ_set_restores_after_an_error(monkeypatch):

@@ -17,7 +17,11 @@ plus the common parameters ``profile`` (the profile name) and ``reports_dir`` (o
 never replaces the committed results). Executed notebooks go to ``<reports>/notebooks/<name>.ipynb``
 (overwritten by the next run, like the figures and tables they write; the profile is recorded in the
 notebook's papermill metadata and in ``<reports>/notebooks/pipeline_run.json``). The run stops at the
-first failing notebook and exits non-zero naming the notebook and the failing cell.
+first failing notebook and exits non-zero naming the notebook and the failing cell. The kernels run
+with ``KERNEL_QUIET_ENV`` set, which turns off the progress bars that read it (tqdm's text bars, the
+project's bars of ``twell.progress``, those of datasets and transformers), so that the executed
+notebooks do not fill with them; the terminal shows the pipeline's and papermill's bars
+(``--no-progress`` hides them).
 
 Directories can be redirected (tests do this) with arguments/flags or environment variables:
 ``TWELL_NOTEBOOKS`` (notebooks), ``TWELL_PIPELINE_CONFIGS`` (profile YAMLs), ``TWELL_REPORTS`` (outputs).
@@ -49,6 +53,14 @@ NOTEBOOK_ORDER: tuple[str, ...] = (
 )
 DEFAULT_PROFILE = SMOKE_PROFILE
 KNOWN_PROFILES: tuple[str, ...] = ("cpu-smoke", "gpu-small", "gpu-full")
+# Set for the kernels: progress bars off in the executed notebooks (tqdm's text bars, the project's bars of
+# twell.progress, those of datasets, and of huggingface_hub and transformers). Papermill's own bar, per
+# cell, runs on the terminal.
+KERNEL_QUIET_ENV: dict[str, str] = {
+    "TQDM_DISABLE": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
 # Parameters every notebook receives besides its profile's own.
 COMMON_PARAMETERS: tuple[str, ...] = ("profile", "reports_dir")
 
@@ -239,7 +251,7 @@ def plan(
 
 @contextlib.contextmanager
 def _kernel_environment(reports: Path, kernel_name: str | None) -> Iterator[str]:
-    """Yield the kernel name to use, with TWELL_REPORTS set for the kernel process.
+    """Yield the kernel name to use, with TWELL_REPORTS and :data:`KERNEL_QUIET_ENV` set for the kernel process.
 
     Without an explicit kernel, a private ``python3`` kernelspec whose argv is *this* interpreter is put
     first on JUPYTER_PATH for the run: the ``python3`` spec Jupyter would find otherwise can belong to
@@ -247,7 +259,7 @@ def _kernel_environment(reports: Path, kernel_name: str | None) -> Iterator[str]
     another environment with an absolute path), and nothing has to be registered by hand.
     """
     with tempfile.TemporaryDirectory(prefix="twell-kernel-") as tmp:
-        env: dict[str, str | None] = {"TWELL_REPORTS": str(reports)}
+        env: dict[str, str | None] = {"TWELL_REPORTS": str(reports), **KERNEL_QUIET_ENV}
         if kernel_name is None:
             kernel_name = "python3"
             spec_dir = Path(tmp) / "kernels" / kernel_name
@@ -392,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default reports/, or reports/smoke/ for {DEFAULT_PROFILE} (env TWELL_REPORTS)")
     p.add_argument("--log-output", action="store_true", help="stream cell outputs to the terminal")
     p.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars on the terminal")
     return p
 
 

@@ -135,9 +135,9 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     bar = None
     if progress:
         try:
-            from tqdm.auto import tqdm
+            from twell.progress import progress_bar
 
-            bar = tqdm(total=n_seq, desc="capture FFN inputs", unit="seq")
+            bar = progress_bar(total=n_seq, desc="capture FFN inputs", unit="seq")
         except ImportError:
             bar = None
     try:

@@ -569,9 +569,9 @@ class BenchRunner:
         bar = None
         if self.progress:
             try:
-                from tqdm.auto import tqdm
+                from twell.progress import progress_bar
 
-                bar = tqdm(total=len(cases), desc="ffn bench", unit="case", file=sys.stderr)
+                bar = progress_bar(total=len(cases), desc="ffn bench", unit="case", file=sys.stderr)
             except ImportError:
                 bar = None
         for i, case in enumerate(cases):

@@ -218,7 +218,7 @@ def _empty_split_message(split: str, label: str, n_train: int, n_val: int, fract
 
 
 def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path, progress: bool) -> PreparedData:
-    from tqdm.auto import tqdm
+    from twell.progress import progress_bar
 
     _check_replaceable(target)  # before the (long) tokenising
 
@@ -274,7 +274,7 @@ def _prepare(cfg: DataConfig, source: Source, vocab: int, key: str, target: Path
             batch.clear()
             return more
 
-        bar = tqdm(desc=f"tokenising {source.label[:40]}", unit="doc", disable=not progress)
+        bar = progress_bar(progress=progress, desc=f"tokenising {source.label[:40]}", unit="doc")
         more = True
         for doc in docs():
             batch.append(doc)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from twell.eval.harness import check_limit, choose_batch_size
+from twell.eval.harness import check_limit, choose_batch_size, lm_eval_model, quiet_lm_eval, request_bar, warn_caller
 from twell.eval.loading import SPARSE_LAST_PATHS, check_ffn_path, set_ffn_path, sparse_ffn_modules
 from twell.eval.offline import resolve_offline
 from twell.eval.tasks import AUTO, build_tasks, resolve_task_sources
@@ -112,17 +112,14 @@ def _as_instances(requests: Any, *, data_dir, data_files, limit, offline) -> lis
     return out
 
 
-def _loglikelihoods(model, tokenizer, instances, batch_size, softmax_dtype) -> np.ndarray:
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
-              softmax_dtype=softmax_dtype)
+def _loglikelihoods(model, tokenizer, instances, batch_size, softmax_dtype, bar=None) -> np.ndarray:
+    lm = lm_eval_model(model, tokenizer, bar=bar, batch_size=batch_size, softmax_dtype=softmax_dtype)
     return np.array([ll for ll, _ in lm.loglikelihood(instances)], dtype=np.float64)
 
 
-def _run(setter, model, path, tokenizer, instances, bs, softmax_dtype) -> np.ndarray:
+def _run(setter, model, path, tokenizer, instances, bs, softmax_dtype, bar=None) -> np.ndarray:
     setter(model, path)
-    return _loglikelihoods(model, tokenizer, instances, bs, softmax_dtype)
+    return _loglikelihoods(model, tokenizer, instances, bs, softmax_dtype, bar)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype, fn):
@@ -168,6 +165,7 @@ def compare_paths(
     offline: bool | None = None,
     batch_size: int | str = "auto",
     softmax_dtype: str | None = "float32",
+    progress: Any = True,
 ) -> PathComparison:
     """Score the same requests under ``paths[0]`` and ``paths[1]`` and compare per request.
 
@@ -183,12 +181,21 @@ def compare_paths(
         about 1 of 40 draws with ~50 requests and in none of 40 with ~200 (tests/test_eval_compare.py).
     softmax_dtype: lm-eval's HFLM option; float32 (default here) keeps the log-softmax of bf16
         logits from rounding each log-likelihood to a few tenths of a nat, which would hide differences.
+    progress: one bar over the requests of each scoring in turn (True), none (False), or a tqdm bar to use.
     """
     if len(paths) != 2 or paths[0] == paths[1]:
         raise ValueError(f"paths must be two different path names, got {paths!r}")
     if tol != "auto" and not (isinstance(tol, (int, float)) and tol >= 0):
         raise ValueError(f"tol must be a non-negative number or 'auto', got {tol!r}")
     check_limit(limit)
+    with quiet_lm_eval() as log, request_bar(progress, "FFN paths") as bar:
+        return _compare(model, tokenizer, requests, paths=paths, set_path=set_path, tol=tol, floor_factor=floor_factor,
+                        limit=limit, data_dir=data_dir, data_files=data_files, offline=offline, batch_size=batch_size,
+                        softmax_dtype=softmax_dtype, bar=bar, log=log)
+
+
+def _compare(model, tokenizer, requests, *, paths, set_path, tol, floor_factor, limit, data_dir, data_files, offline,
+             batch_size, softmax_dtype, bar, log) -> PathComparison:
     instances = _as_instances(requests, data_dir=data_dir, data_files=data_files, limit=limit,
                               offline=resolve_offline(offline))
     device = str(next(model.parameters()).device)
@@ -200,7 +207,10 @@ def compare_paths(
     try:
         for path in paths:
             setter(model, path)
-            lls[path] = _loglikelihoods(model, tokenizer, instances, bs, softmax_dtype)
+            bar.set_description(f"FFN path {path}")
+            lls[path] = _loglikelihoods(model, tokenizer, instances, bs, softmax_dtype, bar)
+            if path == paths[0]:  # the same requests each time: lm-eval's truncations are counted on the first
+                truncated = log.truncation_note(len(instances))
             observed[path] = check_ffn_path(model, path) if set_path is None else {}
             if set_path is None and path != "dense" and not set(observed[path]) & SPARSE_LAST_PATHS:
                 # "auto" may run every layer dense (an fp32 model): the check would compare dense with dense.
@@ -212,12 +222,14 @@ def compare_paths(
             # must stay within floor_factor x the error plain bf16 makes against that same reference.
             if next(model.parameters()).dtype == torch.float32:
                 reference = lls[paths[0]]
+                bar.set_description(f"FFN path {paths[0]} in bf16")
                 bf16 = _in_dtype(model, torch.bfloat16, lambda: _run(setter, model, paths[0], tokenizer, instances, bs,
-                                                                     softmax_dtype))
+                                                                     softmax_dtype, bar))
             else:
                 bf16 = lls[paths[0]]
+                bar.set_description(f"FFN path {paths[0]} in fp32")
                 reference = _in_dtype(model, torch.float32, lambda: _run(setter, model, paths[0], tokenizer, instances,
-                                                                         bs, softmax_dtype))
+                                                                         bs, softmax_dtype, bar))
             floor = float(np.max(np.abs(bf16 - reference)))
             err = float(np.max(np.abs(lls[paths[1]] - reference)))
             tol_value = max(floor_factor * floor, MIN_TOL)
@@ -228,6 +240,8 @@ def compare_paths(
     finally:
         for module, path in saved:
             module.path = path
+    if truncated:
+        warn_caller(f"FFN path check: {truncated}")
     a, b = lls[paths[0]], lls[paths[1]]
     diff = np.abs(a - b)
     agreement, n_docs = _decision_agreement(instances, a, b)

@@ -4,20 +4,28 @@ The model object itself is handed to lm-eval's ``HFLM`` wrapper, so whatever FFN
 (dense, the pure-PyTorch TwELL reference, the CUDA kernels) are what gets evaluated; the FFN path
 that actually ran is read back from the modules and stored in the record. Metrics and standard
 errors are lm-eval's own (``acc``/``acc_norm`` with the closed-form standard error of a mean).
+
+Progress is one bar (:mod:`twell.progress`), advanced by lm-eval's requests as they finish; while
+lm-eval runs, its own bars and those of ``datasets`` are off, the libraries' loggers are at WARNING,
+and lm-eval's warnings that say nothing to the reader are dropped (see :func:`quiet_lm_eval`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
+import logging
 import math
+import re
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
-from tqdm.auto import tqdm
 
 from twell.eval.loading import (SPARSE_LAST_PATHS, LoadedModel, check_ffn_path, fixture_model, forget_ffn_paths,
                                 load_checkpoint, observed_ffn_paths, set_ffn_path)
@@ -28,6 +36,156 @@ from twell.eval.tasks import AUTO, PAPER_TASKS, build_tasks, resolve_task_source
 # CPU there is no such signal (it would just swap), so a fixed size is used there.
 CPU_BATCH_SIZE = 8
 METRICS = ("acc", "acc_norm")
+# Loggers held at WARNING while lm-eval runs (their INFO lines are lm-eval's and the libraries' bookkeeping).
+QUIET_LOGGERS = ("lm_eval", "transformers", "datasets", "huggingface_hub", "accelerate")
+# lm-eval's warnings about what the harness does on purpose (a model object, in one process): nothing to act on.
+_EXPECTED_LM_EVAL_WARNINGS = ("`pretrained` model kwarg is not of type `str`",
+                              "Passed an already-initialized model through `pretrained`")
+# lm-eval warns once per request cut to the model's context; these are counted and reported once.
+_TRUNCATION = re.compile(r"Combined length of context .* exceeds model's maximum length \((\d+)\)")
+
+
+class _LmEvalLog(logging.Filter):
+    """On lm-eval's HF model logger: drops the expected warnings, counts the truncated requests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.truncated = 0
+        self.max_length: int | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(_EXPECTED_LM_EVAL_WARNINGS):
+            return False
+        cut = _TRUNCATION.match(message)
+        if cut:
+            self.truncated += 1
+            self.max_length = int(cut.group(1))
+            return False
+        return True
+
+    def truncation_note(self, n_requests: int | None = None) -> str | None:
+        """One sentence for the truncated requests, or None when there were none."""
+        if not self.truncated:
+            return None
+        of = f" of {n_requests}" if n_requests else ""
+        return (f"{self.truncated}{of} lm-eval requests were longer than the model's context of {self.max_length} "
+                f"tokens and were scored on their last {self.max_length} tokens (lm-eval cuts from the left)")
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning shown at the first caller outside ``twell.eval`` (a notebook cell, a script)."""
+    here = Path(__file__).resolve().parent
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and Path(frame.f_code.co_filename).resolve().parent == here:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, stacklevel=level)
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[_LmEvalLog]:
+    """While lm-eval builds and runs tasks: its and the libraries' INFO logging, its warnings about a model
+    object, its per-task bars and ``datasets``' bars are off; everything is restored on exit.
+
+    Yields the filter on lm-eval's HF model logger; its ``truncation_note()`` sums up the requests cut to
+    the model's context (lm-eval warns once per request). Warnings from lm-eval or the libraries
+    that do not match these are kept.
+    """
+    import datasets
+    import lm_eval.api.task as lm_eval_task
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from tqdm import tqdm as text_tqdm
+
+    levels = {}
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() < logging.WARNING:
+            levels[logger] = logger.level
+            logger.setLevel(logging.WARNING)
+    log = _LmEvalLog()
+    hf_logger = logging.getLogger("lm_eval.models.huggingface")
+    hf_logger.addFilter(log)
+    # HF_DATASETS_DISABLE_PROGRESS_BARS=0 asks for the bars (datasets would warn on disabling them).
+    own_datasets_bars = (not are_progress_bars_disabled()
+                         and datasets.config.HF_DATASETS_DISABLE_PROGRESS_BARS is not False)
+    if own_datasets_bars:
+        disable_progress_bars()
+    # Task.build_all_requests draws a text bar per task and has no option to turn it off.
+    task_tqdm = getattr(lm_eval_task, "tqdm", None)
+    if task_tqdm is text_tqdm:
+        lm_eval_task.tqdm = functools.partial(text_tqdm, disable=True)
+    try:
+        yield log
+    finally:
+        if task_tqdm is text_tqdm:
+            lm_eval_task.tqdm = task_tqdm
+        if own_datasets_bars:
+            enable_progress_bars()
+        hf_logger.removeFilter(log)
+        for logger, level in levels.items():
+            logger.setLevel(level)
+
+
+@functools.cache
+def _progress_hflm() -> type:
+    from lm_eval.api.model import CacheHook
+    from lm_eval.models.huggingface import HFLM
+
+    class BarHook(CacheHook):
+        """lm-eval calls ``add_partial`` once per finished request: one step of the bar."""
+
+        def __init__(self, bar) -> None:
+            super().__init__(None)
+            self.bar = bar
+
+        def add_partial(self, attr, req, res) -> None:
+            self.bar.update(1)
+
+    class ProgressHFLM(HFLM):
+        """lm-eval's HFLM without its own bars: each call restarts ``bar`` at its number of requests."""
+
+        def __init__(self, *args, bar=None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.bar = bar
+            self.n_requests = 0
+            if bar is not None:
+                self.set_cache_hook(BarHook(bar))
+
+        def _restart(self, requests) -> None:
+            self.n_requests += len(requests)
+            if self.bar is not None:
+                self.bar.reset(total=len(requests))
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self._restart(requests)
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            self._restart(requests)
+            return super().generate_until(requests, disable_tqdm=True)
+
+    return ProgressHFLM
+
+
+def lm_eval_model(model: torch.nn.Module, tokenizer: Any, *, bar=None, **kwargs):
+    """lm-eval's ``HFLM`` around a model object (``kwargs`` are HFLM's); with ``bar`` (a tqdm), its
+    log-likelihood and generation calls advance that bar per request instead of drawing bars of their own."""
+    return _progress_hflm()(pretrained=model, tokenizer=tokenizer, backend="causal", bar=bar, **kwargs)
+
+
+@contextlib.contextmanager
+def request_bar(progress: Any, desc: str) -> Iterator[Any]:
+    """``progress``: a bar to use as it is, or True / False for a bar of our own (closed on exit)."""
+    if progress is not None and not isinstance(progress, bool):
+        yield progress
+        return
+    from twell.progress import progress_bar
+
+    bar = progress_bar(progress=bool(progress), desc=desc, unit="request")
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 @dataclass
@@ -143,6 +301,7 @@ def evaluate_model(
     notes: Iterable[str] = (),
     softmax_dtype: str | None = None,
     log_samples: bool = False,
+    progress: Any = True,
 ) -> EvalRun:
     """Evaluate a causal LM object with lm-eval on ``tasks`` (zero-shot by default).
 
@@ -152,15 +311,15 @@ def evaluate_model(
     returned with status "skipped" and the reason, never with a score.
     softmax_dtype: lm-eval's HFLM option (None = the model's dtype, lm-eval's default).
     log_samples: keep per-document log-likelihoods and 0/1 scores (for paired comparisons).
+    progress: True for a progress bar over lm-eval's requests (off where ``TQDM_DISABLE`` is set), False
+        for none, or a tqdm bar to restart and advance (:func:`evaluate_checkpoints` passes one).
     """
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
     check_limit(limit)
     start = time.perf_counter()
     offline = resolve_offline(offline)
     sources = resolve_task_sources(tasks, data_dir=data_dir, data_files=data_files, num_fewshot=num_fewshot)
-    built = build_tasks(sources, offline=offline)
     if ffn_path is not None:
         set_ffn_path(model, ffn_path)
     forget_ffn_paths(model)
@@ -168,16 +327,23 @@ def evaluate_model(
     bs, bs_note = choose_batch_size(batch_size, device)
 
     results: dict[str, Any] = {"results": {}, "n-samples": {}, "configs": {}, "config": {}}
-    if built.tasks:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=bs, max_batch_size=max_batch_size,
-                  softmax_dtype=softmax_dtype)
-        with hf_offline(offline):
-            # num_fewshot=None lets lm-eval apply its own default of 0 shots without warning about an override.
-            results = simple_evaluate(lm, tasks=list(built.tasks.values()), task_manager=built.task_manager,
-                                      limit=limit, num_fewshot=num_fewshot or None, log_samples=log_samples)
-        used = results["config"].get("batch_sizes") or []
-        if used:
-            bs_note += f"; lm-eval chose {used}"
+    lm = None
+    with quiet_lm_eval() as log, request_bar(progress, f"evaluating {name}") as bar:
+        built = build_tasks(sources, offline=offline)
+        if built.tasks:
+            lm = lm_eval_model(model, tokenizer, bar=bar, batch_size=bs, max_batch_size=max_batch_size,
+                               softmax_dtype=softmax_dtype)
+            with hf_offline(offline):
+                # num_fewshot=None lets lm-eval apply its own default of 0 shots without warning about an override.
+                results = simple_evaluate(lm, tasks=list(built.tasks.values()), task_manager=built.task_manager,
+                                          limit=limit, num_fewshot=num_fewshot or None, log_samples=log_samples)
+    used = results["config"].get("batch_sizes") or []
+    if used:
+        bs_note += f"; lm-eval chose {used}"
+    truncated = log.truncation_note(lm.n_requests if lm is not None else None)
+    if truncated:
+        notes = [*notes, truncated]
+        warn_caller(f"{name}: {truncated}")
     # With every task skipped no forward ran: there is no path to check (the skipped tasks are the result).
     observed = check_ffn_path(model, ffn_path) if built.tasks else observed_ffn_paths(model)
     if ffn_path == "auto" and observed and not set(observed) & SPARSE_LAST_PATHS:
@@ -296,6 +462,7 @@ def evaluate_checkpoints(
     fixture_if_missing: bool = False,
     fixture_data_if_missing: bool = False,
     offline: bool | None = None,
+    progress: bool = True,
     **eval_kwargs,
 ) -> dict[str, EvalRun]:
     """Load and evaluate each named checkpoint in turn (one model in memory at a time).
@@ -307,6 +474,7 @@ def evaluate_checkpoints(
         model (smoke runs only; the run is marked ``fixture=True`` and a warning is printed).
     fixture_data_if_missing: offline, tasks without local data run on FIXTURE files instead of being
         skipped (smoke runs only; marked ``source="fixture-data"``).
+    progress: one bar (see :mod:`twell.progress`) over each checkpoint's lm-eval requests in turn.
     Other keyword arguments go to :func:`evaluate_model` (limit, batch_size, log_samples, ...).
     """
     offline = resolve_offline(offline)
@@ -314,13 +482,15 @@ def evaluate_checkpoints(
     if fixture_data_if_missing and offline:
         data_files = with_fixture_data(tasks, data_dir=data_dir, data_files=data_files)
     runs: dict[str, EvalRun] = {}
-    for name, spec in tqdm(list(checkpoints.items()), desc="checkpoints", unit="model"):
-        loaded = load_named(name, spec, ffn_paths=ffn_paths, device=device, dtype=dtype,
-                            fixture_if_missing=fixture_if_missing, offline=offline)
-        runs[name] = evaluate_loaded(loaded, tasks=tasks, data_dir=data_dir, data_files=data_files, offline=offline,
-                                     **eval_kwargs)
-        del loaded
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    with request_bar(progress, "evaluating") as bar:
+        for i, (name, spec) in enumerate(checkpoints.items()):
+            bar.set_description(f"evaluating {name} ({i + 1}/{len(checkpoints)})")
+            loaded = load_named(name, spec, ffn_paths=ffn_paths, device=device, dtype=dtype,
+                                fixture_if_missing=fixture_if_missing, offline=offline)
+            runs[name] = evaluate_loaded(loaded, tasks=tasks, data_dir=data_dir, data_files=data_files,
+                                         offline=offline, progress=bar, **eval_kwargs)
+            del loaded
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return runs

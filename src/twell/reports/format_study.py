@@ -156,12 +156,11 @@ def study_cases(cases: Sequence[SparsityCase], M: int, D: int = 2048, H: int = 5
     mean/max active per row, max per 256-wide tile) and the format's bytes and overflow counts.
     Activations are generated one case at a time and freed, so M can be large on a GPU.
     """
-    from tqdm import tqdm  # text bar: tqdm.auto would need ipywidgets inside notebooks
-
     from twell.bench.generator import calibrated_ffn_inputs, gate_activation, sparsity_stats
+    from twell.progress import progress_bar
 
     rows = []
-    for case in tqdm(list(cases), desc="calibrated cases", disable=not progress):
+    for case in progress_bar(list(cases), progress=progress, desc="calibrated cases", unit="case"):
         inputs = calibrated_ffn_inputs(M, D, H, nnz=case.nnz, tail=case.tail, seed=seed, device=device)
         h = gate_activation(inputs)
         del inputs

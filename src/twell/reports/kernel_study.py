@@ -118,8 +118,7 @@ def verify_ops(ops: ModuleType, shapes: Iterable, device="cpu", seed: int = 0, h
     (the kernels' run), ``vs reference`` is the relative difference to ``twell.reference``.
     One row per (shape, op, row group).
     """
-    from tqdm.auto import tqdm
-
+    from twell.progress import progress_bar
     from twell.reference import dense_gated_ffn
 
     shapes = [VerifyShape.parse(s) for s in shapes]
@@ -130,7 +129,7 @@ def verify_ops(ops: ModuleType, shapes: Iterable, device="cpu", seed: int = 0, h
             raise TypeError(f"ops must provide {name} (twell.kernels or twell.reference), got {ops!r}")
     device = torch.device(device)
     rows_out = []
-    for i, shape in enumerate(tqdm(shapes, desc="verify", unit="shape", disable=not progress)):
+    for i, shape in enumerate(progress_bar(shapes, progress=progress, desc="verify", unit="shape")):
         inp, heavy = heavy_inputs(shape, heavy_rows, seed + i, device, scale=heavy_scale)
         x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
         wdt = wd.t().contiguous()
