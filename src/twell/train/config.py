@@ -84,7 +84,7 @@ class SparsityConfig:
     l1_coef: float = 2e-5  # times mean over layers of (|h| summed over hidden units, mean over tokens)
     l1_warmup_steps: int = 0  # linear warm-up of the coefficient from 0 (0: constant)
     dead_window_tokens: int | None = None  # a neuron silent for this many tokens is dead (None: one step's tokens)
-    reinit_dead: bool = False  # re-initialise the gate rows of dead neurons (single process only)
+    reinit_dead: bool = False  # re-initialise the gate rows of dead neurons (one process or FSDP2, same draws)
     reinit_every: int = 100  # ... every N steps
     position_bins: int = 32  # active neurons by token position: number of position bins logged
     positions_every: int = 100  # ... logged every N steps (averaged over those steps)
@@ -178,8 +178,6 @@ class RunConfig:
         if s.l1_coef > 0 and m.ffn == "silu_gated":
             raise ValueError("sparsity.l1_coef > 0 needs a ReLU FFN (model.ffn relu_gated or relu); the SiLU baseline "
                              "trains with l1_coef: 0")
-        if s.reinit_dead and world_size > 1:
-            raise ValueError("sparsity.reinit_dead is implemented for single-process runs only (not under FSDP)")
         if s.position_bins <= 0 or s.positions_every <= 0 or s.reinit_every <= 0:
             raise ValueError("sparsity.position_bins, positions_every and reinit_every must be positive")
 

@@ -33,9 +33,9 @@ from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
 from twell.train.config import RunConfig, load_config
 from twell.train.metrics import MetricsLog, atomic_write, json_safe
-from twell.train.parallel import (DistInfo, all_reduce_sum, apply_activation_checkpointing, apply_compile, apply_fsdp,
-                                  barrier, broadcast_flag, broadcast_object, fail_together, init_distributed,
-                                  set_gradient_sync, total_grad_norm)
+from twell.train.parallel import (DistInfo, all_ranks_true, all_reduce_sum, apply_activation_checkpointing,
+                                  apply_compile, apply_fsdp, barrier, broadcast_flag, broadcast_object, fail_together,
+                                  init_distributed, set_gradient_sync, total_grad_norm)
 from twell.train.recipe import sparse_lm_loss
 from twell.train.schedule import l1_coef_at, lr_at
 from twell.train.tracker import SparsityTracker, reinit_dead_gates
@@ -343,7 +343,7 @@ class Trainer:
         self.metrics.write({"kind": "val", "step": self.step, "elapsed_s": self._elapsed(), **v})
 
     def fit(self) -> RunResult:
-        from tqdm.auto import tqdm
+        from twell.progress import progress_bar
 
         cfg, t, s = self.cfg, self.cfg.train, self.cfg.sparsity
         self.t_loop = time.time()
@@ -352,8 +352,8 @@ class Trainer:
         if self.step == 0:
             self._event("start", describe=self.describe())
         deadline = self._deadline()
-        bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
-                   disable=not (t.progress and self.main), dynamic_ncols=True)
+        bar = progress_bar(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
+                           progress=t.progress and self.main, dynamic_ncols=True)
         last_step_s = last_eval_s = 0.0
         last_val_step = self.step if self.last_val and self.last_val["step"] == self.step else None
         t_log, step_log = time.time(), self.step
@@ -361,11 +361,12 @@ class Trainer:
             raw = self._train_step(self.step)
             self.step += 1
             if s.reinit_dead and self.step % s.reinit_every == 0:
-                dead = self.tracker.dead_mask()
-                gen = torch.Generator().manual_seed(t.seed * 1_000_003 + self.step)
+                # The tracker's counters are reduced over ranks; the AND keeps every rank's decision the same anyway.
+                dead = all_ranks_true(self.tracker.dead_mask(), self.info)
+                gen = torch.Generator().manual_seed(t.seed * 1_000_003 + self.step)  # the same draws on every rank
                 n = reinit_dead_gates(self.ffns, dead, self.optimizer, std=cfg.model.init_std, generator=gen)
                 self.tracker.revive(dead)
-                self._event("reinit", neurons=n)
+                self._event("reinit", neurons=n, per_layer=dead.sum(1).tolist())
             logged = self.step % t.log_every == 0 or self.step in (1, t.steps)
             if logged:
                 last_step_s, t_log, step_log = self._log_train(raw, bar, t_log, step_log)

@@ -71,6 +71,15 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
+def all_ranks_true(mask: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """A bool tensor that is True where it is True on every rank (the same result on every rank)."""
+    if not info.distributed:
+        return mask
+    t = mask.to(torch.uint8)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.bool()
+
+
 def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     """Rank 0's decision, on every rank (wall-clock stops must agree)."""
     if not info.distributed:

@@ -120,25 +120,74 @@ class SparsityTracker:
         self.pos_seqs = int(state["pos_seqs"])
 
 
+def dim0_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the rows this rank holds, index of its first row in the full tensor) for a tensor sharded on dim 0.
+
+    A plain tensor is all rows (offset 0). A DTensor (FSDP2's parameters and their AdamW moments) holds,
+    along each mesh dimension that shards dim 0, the chunk ``torch.chunk`` gives that rank: chunks of
+    ceil(rows / ranks) rows, the last ones shorter or empty (FSDP2 pads them in storage only; ``to_local``
+    is the unpadded view, and under no_grad it is the parameter's own storage, so writes reach it).
+    Replicated mesh dimensions (HSDP) keep every row of the shard on each replica.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t, 0
+    start, rows = 0, t.shape[0]
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is not Shard or p.dim != 0:  # e.g. _StridedShard (FSDP over tensor parallel) interleaves rows
+            raise NotImplementedError(f"re-initialising rows of a tensor placed {t.placements} (only dim-0 sharding)")
+        n, r = t.device_mesh.size(i), t.device_mesh.get_local_rank(i)
+        chunk = -(-rows // n)
+        lo, hi = min(r * chunk, rows), min((r + 1) * chunk, rows)
+        start, rows = start + lo, hi - lo
+    local = t.to_local()
+    if local.shape[0] != rows:
+        raise RuntimeError(f"expected {rows} local rows from row {start} of a {tuple(t.shape)} tensor placed "
+                           f"{t.placements}, got {tuple(local.shape)}")
+    return local, start
+
+
+def _write_rows(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor | float) -> None:
+    """``t[idx] = values`` (rows of the full tensor) on whichever of them this rank holds."""
+    local, start = dim0_rows(t)
+    mine = (idx >= start) & (idx < start + local.shape[0])
+    if not bool(mine.any()):
+        return
+    rows = (idx[mine] - start).to(local.device)
+    if isinstance(values, torch.Tensor):
+        local[rows] = values[mine].to(local.device, local.dtype)
+    else:
+        local[rows] = values
+
+
 @torch.no_grad()
 def reinit_dead_gates(ffns: Sequence[SparseFFN], dead: torch.Tensor, optimizer: torch.optim.Optimizer, *,
                       std: float, generator: torch.Generator) -> int:
     """Re-draw the gate rows (``up_proj`` rows for non-gated FFNs) of dead neurons from N(0, std).
 
     Their AdamW moments are zeroed so the old statistics do not drive the fresh weights. Returns
-    how many neurons were re-initialised. Single process only (the weights must be plain tensors).
+    how many neurons were re-initialised.
+
+    Under FSDP2 every rank must call it with the same ``dead`` mask and a generator in the same state
+    (the tracker's counters are reduced over ranks, so its mask is global): each rank draws the full
+    [n_dead, D] block of every layer, in the same order as one process does, and writes only the rows
+    of its own shard of the weight and of the moments (no all-gather). The weights are then those one
+    process would get from the same state and generator.
     """
     n = 0
     for layer, ffn in enumerate(ffns):
-        idx = dead[layer].nonzero().flatten()
+        idx = dead[layer].nonzero().flatten().cpu()
         if idx.numel() == 0:
             continue
         w = ffn.gate_proj.weight if ffn.gated else ffn.up_proj.weight
         fresh = torch.randn(idx.numel(), w.shape[1], generator=generator) * std
-        w[idx.to(w.device)] = fresh.to(w.device, w.dtype)
+        _write_rows(w, idx, fresh)
         state = optimizer.state.get(w, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
-                state[key][idx.to(w.device)] = 0
+                _write_rows(state[key], idx, 0.0)
         n += idx.numel()
     return n
