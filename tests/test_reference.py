@@ -159,6 +159,24 @@ def test_sparse_ffn_module_gives_dense_nonfinite_pattern(where, value):
         assert torch.equal(ffn(x), finite)
 
 
+def test_nonfinite_check_on_a_layer_built_under_inference_mode():
+    """Inference tensors have no version counter: the module still runs its sparse path, and sees an
+    in-place write of a NaN into an up weight (and its repair) on the next call."""
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        ffn = SparseFFN(64, 300, path="reference").to(torch.bfloat16)
+        ffn.gate_proj.weight[:, 0] = -1.0
+        x = torch.randn(2, 9, 64).to(torch.bfloat16)
+        x[..., 0] = 1
+        finite = ffn(x)
+        assert torch.isfinite(finite).all() and ffn.last_path == "twell-reference"
+        old = ffn.up_proj.weight.clone()
+        ffn.up_proj.weight[5, 3] = float("nan")
+        assert ffn(x).isnan().all()  # dense: 0 * NaN on every row
+        ffn.up_proj.weight.copy_(old)
+        assert torch.equal(ffn(x), finite)
+
+
 @pytest.mark.parametrize("case, err, match", [
     ("x_dtype", TypeError, "x: expected bfloat16"),
     ("w_shape", ValueError, "w_up: expected"),

@@ -65,7 +65,7 @@ from torch import nn
 from twell.formats import check_tiling
 from twell.formats.twell import columns_limit
 from twell.nn.transpose import (
-    forget, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_,
+    forget, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_, weight_state,
 )
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
@@ -110,6 +110,14 @@ class FFNStats:
     l1: torch.Tensor
     active_per_token: torch.Tensor
     neuron_active: torch.Tensor
+
+
+def _nonfinite_row(up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """[D]: NaN in the output columns that non-finite up_proj ([H, D]) or down_proj ([D, H]) weights make
+    NaN on every row of dense PyTorch (``0 * NaN``), 0 elsewhere; on the weights' device, no host sync."""
+    bad = (~torch.isfinite(down)).any(1) | ~torch.isfinite(up).all()
+    return torch.where(bad, torch.tensor(float("nan"), dtype=down.dtype, device=down.device),
+                       torch.zeros((), dtype=down.dtype, device=down.device))
 
 
 @torch.compiler.assume_constant_result
@@ -460,20 +468,19 @@ class SparseFFN(nn.Module):
         non-finite ``up_proj`` weight makes every output NaN, a non-finite ``down_proj`` weight
         ``[j, n]`` makes column j NaN on every row. The sparse paths never read an inactive neuron's
         weights, so they add this row to match. Checked once per weight version (one host sync), and
-        again after :meth:`invalidate_cache`; compiled code and CUDA graph captures use the last
-        eager answer (``None`` before any)."""
+        again after :meth:`invalidate_cache`; weights made under ``inference_mode`` have no version, so
+        for them the row is computed on the device at every call (no sync; like their W_down copy).
+        Compiled code and CUDA graph captures use the last eager answer (``None`` before any)."""
         up, down = self.up_proj.weight, self.down_proj.weight
         if torch.compiler.is_compiling() or (up.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None if self._nonfinite is None else self._nonfinite[1]
-        key = (up.data_ptr(), up._version, down.data_ptr(), down._version)
-        if self._nonfinite is None or self._nonfinite[0] != key:
-            with torch.no_grad():
-                row = None
-                bad_up, bad_down = ~torch.isfinite(up).all(), (~torch.isfinite(down)).any(1)
-                if bool(bad_up | bad_down.any()):  # the one host sync
-                    nan = torch.tensor(float("nan"), dtype=down.dtype, device=down.device)
-                    row = torch.where(bad_down | bad_up, nan, torch.zeros((), dtype=down.dtype, device=down.device))
-            self._nonfinite = (key, row)
+        with torch.no_grad():
+            if up.is_inference() or down.is_inference():
+                return _nonfinite_row(up, down)
+            key = (weight_state(up), weight_state(down))
+            if self._nonfinite is None or self._nonfinite[0] != key:
+                row = _nonfinite_row(up, down)
+                self._nonfinite = (key, row if bool(row.isnan().any()) else None)  # the one host sync
         return self._nonfinite[1]
 
     def _apply(self, fn, recurse=True):

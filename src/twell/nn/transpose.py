@@ -22,13 +22,15 @@ import weakref
 
 import torch
 
-# id(copy) -> what it holds: (weakref to the weight's storage, _state(weight)), or None when not
+# id(copy) -> what it holds: (weakref to the weight's storage, weight_state(weight)), or None when not
 # current. Kept here, not on the tensor: a weakref in a tensor's __dict__ breaks torch.save(module).
 # A finalizer removes each entry with its tensor, so a reused id never finds one.
 _HELD: dict[int, object] = {}
 
 
-def _state(w: torch.Tensor) -> tuple:
+def weight_state(w: torch.Tensor) -> tuple:
+    """What changes when ``w`` is rewritten or replaced: address, layout and version (not for inference
+    tensors, which have no version counter)."""
     # Beside the storage object itself (torch keeps one Python object per storage; an address alone can
     # come back for another tensor at the same version), the address too, for what it is worth: a
     # storage resized to nothing and back keeps its object and version, and is caught only where the
@@ -57,7 +59,7 @@ def holds(out: torch.Tensor, w: torch.Tensor) -> bool:
         # An inference tensor has no version counter: in-place writes to it cannot be seen, so a copy
         # of one is never trusted (it is made again on every call).
         return False
-    return src[1] == _state(w)
+    return src[1] == weight_state(w)
 
 
 def _transposed_shape(w: torch.Tensor, who: str) -> tuple[int, int]:
@@ -86,7 +88,7 @@ def refresh_transpose(w: torch.Tensor, out: torch.Tensor) -> None:
         return
     out.copy_(w.detach().t())
     capturing = out.is_cuda and torch.cuda.is_current_stream_capturing()
-    _set_held(out, None if capturing or w.is_inference() else (weakref.ref(w.untyped_storage()), _state(w)))
+    _set_held(out, None if capturing or w.is_inference() else (weakref.ref(w.untyped_storage()), weight_state(w)))
 
 
 def new_transpose(w: torch.Tensor) -> torch.Tensor:
