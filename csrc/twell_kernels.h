@@ -96,6 +96,54 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
                              int S, cudaStream_t stream);
 
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
+// Training kernels (csrc/twell_train.cu). Rows: forward (x, w0 = w_up, w1 = w_down_t; out, s0 = u,
+// s1 = h, row_l1) or backward (x = dy, w0 = w_down_t, w1 = w_up, w2 = w_gate, u, h, l1_grad; out = dx,
+// s0 = du, s1 = dg), light rows only (nnz <= slots), D a multiple of 8 and at most 2048.
+struct TrainRows {
+  const void* x;
+  const int* idx;
+  const void* val;
+  const int* nnz;
+  const void* u;
+  const void* h;
+  const void* w0;
+  const void* w1;
+  const void* w2;
+  const float* l1_grad;  // device scalar or null (0)
+  void* out;
+  void* s0;
+  void* s1;
+  float* row_l1;
+  int M, D, slots;
+};
+struct TrainColumns {
+  const int* ent;  // column-sorted entries (row * slots + slot)
+  const int *item_col, *item_lo, *item_hi, *item_part;
+  int n_items;
+  const int *long_col, *long_part_lo, *long_part_n;
+  int n_long;
+  const void *h, *du, *dg, *x, *dy;
+  const void *heavy_down, *heavy_up, *heavy_gate;  // dense rows' part, bf16 [H, D], or all null
+  void *d_down_t, *d_up, *d_gate;
+  float* partial;
+  int D, slots;
+};
+cudaError_t launch_train_compact(const void* g, int M, int H, int slots, int* idx, void* val, int* nnz,
+                                 uint8_t* neuron_active, cudaStream_t stream);
+cudaError_t launch_train_rows_forward(const TrainRows& a, cudaStream_t stream);
+cudaError_t launch_train_rows_backward(const TrainRows& a, cudaStream_t stream);
+cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream);
+// The weight-gradient work list: entries per neuron (fill = false: counts; true: positions from
+// cursor), sorted within each neuron (temp null: *temp_bytes gets the size), items and long neurons.
+cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, int slots, int* counts, int* cursor,
+                                 int* ent, bool fill, cudaStream_t stream);
+cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream);
+cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
+                              const int* col_ptr, cudaStream_t stream);
+cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,
+                              int* item_lo, int* item_hi, int* item_part, int* long_col, int* long_lo, int* long_n,
+                              bool fill, cudaStream_t stream);
+
 const char* last_error();
 void set_error(const char* msg);
 

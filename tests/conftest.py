@@ -5,6 +5,17 @@ import torch
 _HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(scope="module")
+def kernels_ready():
+    """The CUDA kernels built and loadable: a GPU machine where they are not is a failure, not a skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from twell import kernels
+
+    ok, why = kernels.available()
+    assert ok, f"kernels unavailable on this GPU machine: {why}"
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return

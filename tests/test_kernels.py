@@ -20,15 +20,7 @@ from twell.formats import pack_twell
 from twell.kernels.ops import SPARSE_FFN_COMPRESSION
 from twell.reference.ffn import UNION_RULE
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_ready():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    ok, why = kernels.available()
-    assert ok, f"kernels unavailable on this GPU machine: {why}"
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_ready")]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,634 @@
+// Training kernels of the ReLU-gated FFN on a row-ELL / dense hybrid (docs/training_kernels.md).
+//
+// The gate GEMM's output is compacted per row into `slots` (value, column) pairs; a row with more
+// nonzeros is heavy and goes through dense GEMMs on its own (the caller's part). Light rows then run
+// on CUDA cores, one warp per row, reading the weight rows of their active neurons only:
+//
+//   forward   u = x . w_up[n], h = relu(g) * u, out = sum_n h * w_down_t[n], |h| per row
+//   backward  dh = dy . w_down_t[n], ds = dh + l1 * sign(h), du = ds * relu(g), dg = ds * u,
+//             dx = sum_n du * w_up[n] + dg * w_gate[n]
+//   weights   per neuron n, over its rows m (a column-sorted entry list):
+//             d_w_down_t[n] = sum h * dy[m], d_w_up[n] = sum du * x[m], d_w_gate[n] = sum dg * x[m]
+//
+// Every accumulation is fp32 and runs in a fixed order (rows in slot order, neurons' rows ascending,
+// long neurons split into chunks summed in chunk order), so results are deterministic.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <cub/device/device_segmented_sort.cuh>
+
+#include "common.cuh"
+#include "twell_kernels.h"
+
+namespace twell {
+namespace {
+
+constexpr int kRowsPerBlock = 8;  // warps (rows) per block of the row kernels
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 v;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// L2 policy of the streamed rows of x, dy and the outputs (evict_first): the weight rows a pass
+// gathers stay in L2 across its rows.
+__device__ __forceinline__ uint64_t l2_stream() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint4 ld_policy(const void* ptr, uint64_t pol) {
+  uint4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr), "l"(pol));
+  return v;
+}
+__device__ __forceinline__ void st_policy(void* ptr, const uint4& v, uint64_t pol) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w), "l"(pol)
+               : "memory");
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Active means "not <= 0": a NaN gate value is active (its NaN then reaches the row's output, as in
+// dense PyTorch, where relu(NaN) is NaN).
+__device__ __forceinline__ bool active(float v) { return !(v <= 0.f); }
+
+// One warp per row: the row's active columns in ascending order, the first `slots` of them stored
+// (column, relu(g)); nnz gets the true count (a row with nnz > slots is heavy). neuron_active[n] = 1
+// for every active n of every row.
+template <bool kVec>
+__global__ void compact_kernel(const __nv_bfloat16* __restrict__ g, int M, int H, int slots, int* __restrict__ idx,
+                               __nv_bfloat16* __restrict__ val, int* __restrict__ nnz,
+                               uint8_t* __restrict__ neuron_active) {
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= M) return;
+  const __nv_bfloat16* src = g + size_t(row) * H;
+  int* out_idx = idx + size_t(row) * slots;
+  __nv_bfloat16* out_val = val + size_t(row) * slots;
+  int base = 0;
+  for (int c0 = 0; c0 < H; c0 += 256) {
+    const int col = c0 + lane * 8;
+    float f[8];
+    if (kVec && col < H) {
+      unpack8(__ldg(reinterpret_cast<const uint4*>(src + col)), f);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = col + e < H ? __bfloat162float(src[col + e]) : 0.f;
+    }
+    unsigned mask = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) mask |= unsigned(col + e < H && active(f[e])) << e;
+    const int cnt = __popc(mask);
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += t;
+    }
+    int slot = base + incl - cnt;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (mask >> e & 1) {
+        if (slot < slots) {
+          out_idx[slot] = col + e;
+          out_val[slot] = __float2bfloat16_rn(f[e]);
+        }
+        neuron_active[col + e] = 1;
+        ++slot;
+      }
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) nnz[row] = base;
+}
+
+// Light rows, one block of 256 threads per row: thread t owns columns 8 t .. 8 t + 8 of D (D <= 2048).
+// The weight rows of a batch of kStages active neurons are copied into shared memory with cp.async,
+// each thread its own 16 bytes (so no barrier guards the ring; registers do not bound the bytes in
+// flight). Phase A: per neuron a dot product with the row's x (or dy), reduced over the block once
+// per batch; phase B: the weighted sum of another weight's rows.
+constexpr int kStages = 8;
+constexpr int kRowThreads = 256;
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  float fa[8], fb[8];
+  unpack8(a, fa);
+  unpack8(b, fb);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s = fmaf(fa[i], fb[i], s);
+  return s;
+}
+
+// The block's sums of part[0 .. kStages) into red[kStages] (visible to all threads on return).
+__device__ __forceinline__ void block_sums(float* part, float (*scratch)[kStages], float* red) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) part[s] = warp_sum(part[s]);
+  if (lane == 0)
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) scratch[warp][s] = part[s];
+  __syncthreads();
+  if (threadIdx.x < kStages) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kRowThreads / 32; ++w) v += scratch[w][threadIdx.x];
+    red[threadIdx.x] = v;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
+    const __nv_bfloat16* __restrict__ x, const int* __restrict__ idx, const __nv_bfloat16* __restrict__ val,
+    const int* __restrict__ nnz, const __nv_bfloat16* __restrict__ w_up, const __nv_bfloat16* __restrict__ w_down_t,
+    __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ u_out, __nv_bfloat16* __restrict__ h_out,
+    float* __restrict__ row_l1, int D, int slots) {
+  extern __shared__ uint4 ring[];  // kStages x 256 vectors, then hs[slots] floats, sidx[slots] ints
+  __shared__ float scratch[kRowThreads / 32][kStages];
+  __shared__ float red[kStages];
+  float* hs = reinterpret_cast<float*>(ring + kStages * kRowThreads);
+  int* sidx = reinterpret_cast<int*>(hs + slots);
+  const int row = blockIdx.x, t = threadIdx.x, col = t * 8;
+  const bool has = col < D;
+  const int n = nnz[row];
+  if (n > slots) {  // heavy: the dense part writes this row
+    if (t == 0) row_l1[row] = 0.f;
+    return;
+  }
+  const size_t r0 = size_t(row) * slots;
+  for (int k = t; k < n; k += kRowThreads) {
+    sidx[k] = idx[r0 + k];
+    hs[k] = __bfloat162float(val[r0 + k]);  // relu(g), replaced by h below
+  }
+  __syncthreads();
+  const uint64_t stream = l2_stream();
+  const uint4 xv = has ? ld_policy(x + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
+  float l1 = 0.f;
+  for (int k0 = 0; k0 < n; k0 += kStages) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s)
+      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_up + size_t(sidx[k0 + s]) * D + col);
+    cp_async_commit();
+    cp_async_wait_all();
+    float part[kStages];
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(xv, ring[s * kRowThreads + t]) : 0.f;
+    block_sums(part, scratch, red);
+    if (t < kStages && k0 + t < n) {
+      const int k = k0 + t;
+      // dense bf16 rounds u (a GEMM output) and the product relu(g) * u
+      const float u = round_bf16(red[t]), h = round_bf16(hs[k] * u);
+      hs[k] = h;
+      u_out[r0 + k] = __float2bfloat16_rn(u);
+      h_out[r0 + k] = __float2bfloat16_rn(h);
+      l1 += fabsf(h);
+    }
+  }
+  if (t < kStages) scratch[0][t] = l1;
+  __syncthreads();  // hs (now h) and the l1 parts visible to every thread
+  if (t == 0) {
+    float v = 0.f;
+    for (int s = 0; s < kStages; ++s) v += scratch[0][s];
+    row_l1[row] = v;
+  }
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int k0 = 0; k0 < n; k0 += kStages) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s)
+      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_down_t + size_t(sidx[k0 + s]) * D + col);
+    cp_async_commit();
+    cp_async_wait_all();
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      if (has && k0 + s < n) {
+        float f[8];
+        unpack8(ring[s * kRowThreads + t], f);
+        const float h = hs[k0 + s];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(h, f[i], acc[i]);
+      }
+    }
+  }
+  if (has) st_policy(out + size_t(row) * D + col, pack8(acc), stream);
+}
+
+__global__ void __launch_bounds__(kRowThreads) rows_backward_kernel(
+    const __nv_bfloat16* __restrict__ dy, const int* __restrict__ idx, const __nv_bfloat16* __restrict__ val,
+    const __nv_bfloat16* __restrict__ u_in, const __nv_bfloat16* __restrict__ h_in, const int* __restrict__ nnz,
+    const __nv_bfloat16* __restrict__ w_down_t, const __nv_bfloat16* __restrict__ w_up,
+    const __nv_bfloat16* __restrict__ w_gate, const float* __restrict__ l1_grad, __nv_bfloat16* __restrict__ dx,
+    __nv_bfloat16* __restrict__ du_out, __nv_bfloat16* __restrict__ dg_out, int D, int slots) {
+  extern __shared__ uint4 ring[];  // kStages x 256 vectors, then dus, dgs [slots] floats, sidx [slots] ints
+  __shared__ float scratch[kRowThreads / 32][kStages];
+  __shared__ float red[kStages];
+  float* dus = reinterpret_cast<float*>(ring + kStages * kRowThreads);
+  float* dgs = dus + slots;
+  int* sidx = reinterpret_cast<int*>(dgs + slots);
+  const int row = blockIdx.x, t = threadIdx.x, col = t * 8;
+  const bool has = col < D;
+  const int n = nnz[row];
+  if (n > slots) return;  // heavy: the dense part writes this row
+  const size_t r0 = size_t(row) * slots;
+  for (int k = t; k < n; k += kRowThreads) sidx[k] = idx[r0 + k];
+  __syncthreads();
+  const float l1g = l1_grad == nullptr ? 0.f : *l1_grad;
+  const uint64_t stream = l2_stream();
+  const uint4 dv = has ? ld_policy(dy + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
+  for (int k0 = 0; k0 < n; k0 += kStages) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s)
+      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_down_t + size_t(sidx[k0 + s]) * D + col);
+    cp_async_commit();
+    cp_async_wait_all();
+    float part[kStages];
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(dv, ring[s * kRowThreads + t]) : 0.f;
+    block_sums(part, scratch, red);
+    if (t < kStages && k0 + t < n) {
+      const int k = k0 + t;
+      const float h = __bfloat162float(h_in[r0 + k]);
+      const float sgn = h > 0.f ? 1.f : (h < 0.f ? -1.f : (h == h ? 0.f : h));
+      // dh is a bf16 GEMM output in dense PyTorch; the L1 term's gradient adds to it
+      const float ds = round_bf16(red[t]) + l1g * sgn;
+      const float du = round_bf16(ds * __bfloat162float(val[r0 + k]));
+      const float dg = round_bf16(ds * __bfloat162float(u_in[r0 + k]));
+      dus[k] = du;
+      dgs[k] = dg;
+      du_out[r0 + k] = __float2bfloat16_rn(du);
+      dg_out[r0 + k] = __float2bfloat16_rn(dg);
+    }
+  }
+  __syncthreads();  // dus, dgs visible to every thread
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  constexpr int kPairs = kStages / 2;  // w_up and w_gate rows of a neuron share a batch
+  for (int k0 = 0; k0 < n; k0 += kPairs) {
+#pragma unroll
+    for (int s = 0; s < kPairs; ++s) {
+      if (has && k0 + s < n) {
+        const size_t off = size_t(sidx[k0 + s]) * D + col;
+        cp_async16(ring + (2 * s) * kRowThreads + t, w_up + off);
+        cp_async16(ring + (2 * s + 1) * kRowThreads + t, w_gate + off);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+#pragma unroll
+    for (int s = 0; s < kPairs; ++s) {
+      if (has && k0 + s < n) {
+        float fu[8], fg[8];
+        unpack8(ring[(2 * s) * kRowThreads + t], fu);
+        unpack8(ring[(2 * s + 1) * kRowThreads + t], fg);
+        const float du = dus[k0 + s], dg = dgs[k0 + s];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = fmaf(dg, fg[i], fmaf(du, fu[i], acc[i]));
+      }
+    }
+  }
+  if (has) st_policy(dx + size_t(row) * D + col, pack8(acc), stream);
+}
+
+// Weight gradients, one block per work item (a neuron's entries lo..hi of the column-sorted list):
+// thread t owns columns 8 t .. 8 t + 8 of D. An item that is the whole neuron adds the dense rows'
+// part (`heavy_*`, may be null) and writes bf16; a chunk of a long neuron writes an fp32 partial.
+__global__ void __launch_bounds__(256) columns_kernel(
+    const int* __restrict__ ent, const int* __restrict__ item_col, const int* __restrict__ item_lo,
+    const int* __restrict__ item_hi, const int* __restrict__ item_part, const __nv_bfloat16* __restrict__ h,
+    const __nv_bfloat16* __restrict__ du, const __nv_bfloat16* __restrict__ dg, const __nv_bfloat16* __restrict__ x,
+    const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ heavy_down,
+    const __nv_bfloat16* __restrict__ heavy_up, const __nv_bfloat16* __restrict__ heavy_gate,
+    __nv_bfloat16* __restrict__ d_down_t, __nv_bfloat16* __restrict__ d_up, __nv_bfloat16* __restrict__ d_gate,
+    float* __restrict__ partial, int D, int slots) {
+  const int item = blockIdx.x, t = threadIdx.x, col = t * 8;
+  if (col >= D) return;
+  const int lo = item_lo[item], hi = item_hi[item];
+  float ad[8], au[8], ag[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ad[i] = au[i] = ag[i] = 0.f;
+  int p = lo;
+  for (; p + 1 < hi; p += 2) {
+    const int e0 = ent[p], e1 = ent[p + 1];
+    const int m0 = e0 / slots, m1 = e1 / slots;
+    const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(x + size_t(m0) * D + col));
+    const uint4 y0 = __ldg(reinterpret_cast<const uint4*>(dy + size_t(m0) * D + col));
+    const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(x + size_t(m1) * D + col));
+    const uint4 y1 = __ldg(reinterpret_cast<const uint4*>(dy + size_t(m1) * D + col));
+    const float h0 = __bfloat162float(h[e0]), u0 = __bfloat162float(du[e0]), g0 = __bfloat162float(dg[e0]);
+    const float h1 = __bfloat162float(h[e1]), u1 = __bfloat162float(du[e1]), g1 = __bfloat162float(dg[e1]);
+    float fx[8], fy[8];
+    unpack8(x0, fx);
+    unpack8(y0, fy);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ad[i] = fmaf(h0, fy[i], ad[i]);
+      au[i] = fmaf(u0, fx[i], au[i]);
+      ag[i] = fmaf(g0, fx[i], ag[i]);
+    }
+    unpack8(x1, fx);
+    unpack8(y1, fy);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ad[i] = fmaf(h1, fy[i], ad[i]);
+      au[i] = fmaf(u1, fx[i], au[i]);
+      ag[i] = fmaf(g1, fx[i], ag[i]);
+    }
+  }
+  if (p < hi) {
+    const int e0 = ent[p], m0 = e0 / slots;
+    float fx[8], fy[8];
+    unpack8(__ldg(reinterpret_cast<const uint4*>(x + size_t(m0) * D + col)), fx);
+    unpack8(__ldg(reinterpret_cast<const uint4*>(dy + size_t(m0) * D + col)), fy);
+    const float h0 = __bfloat162float(h[e0]), u0 = __bfloat162float(du[e0]), g0 = __bfloat162float(dg[e0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ad[i] = fmaf(h0, fy[i], ad[i]);
+      au[i] = fmaf(u0, fx[i], au[i]);
+      ag[i] = fmaf(g0, fx[i], ag[i]);
+    }
+  }
+  const int part = item_part[item];
+  if (part >= 0) {
+    float* dst = partial + size_t(part) * 3 * D + col;
+    *reinterpret_cast<float4*>(dst) = make_float4(ad[0], ad[1], ad[2], ad[3]);
+    *reinterpret_cast<float4*>(dst + 4) = make_float4(ad[4], ad[5], ad[6], ad[7]);
+    *reinterpret_cast<float4*>(dst + D) = make_float4(au[0], au[1], au[2], au[3]);
+    *reinterpret_cast<float4*>(dst + D + 4) = make_float4(au[4], au[5], au[6], au[7]);
+    *reinterpret_cast<float4*>(dst + 2 * D) = make_float4(ag[0], ag[1], ag[2], ag[3]);
+    *reinterpret_cast<float4*>(dst + 2 * D + 4) = make_float4(ag[4], ag[5], ag[6], ag[7]);
+    return;
+  }
+  const size_t o = size_t(item_col[item]) * D + col;
+  if (heavy_down != nullptr) {
+    float f[8];
+    unpack8(*reinterpret_cast<const uint4*>(heavy_down + o), f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ad[i] += f[i];
+    unpack8(*reinterpret_cast<const uint4*>(heavy_up + o), f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) au[i] += f[i];
+    unpack8(*reinterpret_cast<const uint4*>(heavy_gate + o), f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ag[i] += f[i];
+  }
+  *reinterpret_cast<uint4*>(d_down_t + o) = pack8(ad);
+  *reinterpret_cast<uint4*>(d_up + o) = pack8(au);
+  *reinterpret_cast<uint4*>(d_gate + o) = pack8(ag);
+}
+
+// Long neurons: their chunks' partials summed in chunk order, plus the dense rows' part.
+__global__ void __launch_bounds__(256) columns_reduce_kernel(
+    const int* __restrict__ cols, const int* __restrict__ part_lo, const int* __restrict__ part_n,
+    const float* __restrict__ partial, const __nv_bfloat16* __restrict__ heavy_down,
+    const __nv_bfloat16* __restrict__ heavy_up, const __nv_bfloat16* __restrict__ heavy_gate,
+    __nv_bfloat16* __restrict__ d_down_t, __nv_bfloat16* __restrict__ d_up, __nv_bfloat16* __restrict__ d_gate,
+    int D) {
+  const int i = blockIdx.x, col = threadIdx.x * 8;
+  if (col >= D) return;
+  float a[3][8];
+#pragma unroll
+  for (int r = 0; r < 3; ++r)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[r][e] = 0.f;
+  const int lo = part_lo[i], np = part_n[i];
+  for (int p = lo; p < lo + np; ++p) {
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+      const float* src = partial + (size_t(p) * 3 + r) * D + col;
+      const float4 v0 = *reinterpret_cast<const float4*>(src), v1 = *reinterpret_cast<const float4*>(src + 4);
+      a[r][0] += v0.x, a[r][1] += v0.y, a[r][2] += v0.z, a[r][3] += v0.w;
+      a[r][4] += v1.x, a[r][5] += v1.y, a[r][6] += v1.z, a[r][7] += v1.w;
+    }
+  }
+  const size_t o = size_t(cols[i]) * D + col;
+  const __nv_bfloat16* hv[3] = {heavy_down, heavy_up, heavy_gate};
+  __nv_bfloat16* dst[3] = {d_down_t, d_up, d_gate};
+#pragma unroll
+  for (int r = 0; r < 3; ++r) {
+    if (hv[r] != nullptr) {
+      float f[8];
+      unpack8(*reinterpret_cast<const uint4*>(hv[r] + o), f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[r][e] += f[e];
+    }
+    *reinterpret_cast<uint4*>(dst[r] + o) = pack8(a[r]);
+  }
+}
+
+// -- the weight-gradient kernel's work list ------------------------------------------------------
+// Entries of the light rows per neuron (atomics), then their positions in neuron order.
+__global__ void entry_count_kernel(const int* __restrict__ idx, const int* __restrict__ nnz, int M, int slots,
+                                   int* __restrict__ counts) {
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= M) return;
+  const int n = nnz[row];
+  if (n > slots) return;
+  for (int k = lane; k < n; k += 32) atomicAdd(counts + idx[size_t(row) * slots + k], 1);
+}
+
+__global__ void entry_fill_kernel(const int* __restrict__ idx, const int* __restrict__ nnz, int M, int slots,
+                                  int* __restrict__ cursor, int* __restrict__ ent) {
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= M) return;
+  const int n = nnz[row];
+  if (n > slots) return;
+  for (int k = lane; k < n; k += 32) {
+    const int e = row * slots + k;
+    ent[atomicAdd(cursor + idx[e], 1)] = e;
+  }
+}
+
+// Per neuron: chunks (at least one, so that every neuron's gradient row is written), partial slots
+// (chunks of neurons with more than one), and whether it is long.
+__global__ void plan_count_kernel(const int* __restrict__ col_ptr, int H, int chunk, int* __restrict__ sizes) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= H) return;
+  const int cnt = col_ptr[c + 1] - col_ptr[c];
+  const int nch = max(1, (cnt + chunk - 1) / chunk);
+  sizes[c] = nch;
+  sizes[H + c] = nch > 1 ? nch : 0;
+  sizes[2 * H + c] = nch > 1;
+}
+
+// `incl`: inclusive prefix sums of plan_count_kernel's three rows.
+__global__ void plan_fill_kernel(const int* __restrict__ col_ptr, const int* __restrict__ sizes,
+                                 const int* __restrict__ incl, int H, int chunk, int* __restrict__ item_col,
+                                 int* __restrict__ item_lo, int* __restrict__ item_hi, int* __restrict__ item_part,
+                                 int* __restrict__ long_col, int* __restrict__ long_lo, int* __restrict__ long_n) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= H) return;
+  const int nch = sizes[c], first = incl[c] - nch, part0 = incl[H + c] - sizes[H + c];
+  const int lo = col_ptr[c], hi = col_ptr[c + 1];
+  for (int i = 0; i < nch; ++i) {
+    item_col[first + i] = c;
+    item_lo[first + i] = lo + i * chunk;
+    item_hi[first + i] = min(hi, lo + (i + 1) * chunk);
+    item_part[first + i] = nch > 1 ? part0 + i : -1;
+  }
+  if (nch > 1) {
+    const int li = incl[2 * H + c] - 1;
+    long_col[li] = c;
+    long_lo[li] = part0;
+    long_n[li] = nch;
+  }
+}
+
+// bf16 [R, C] -> [C, R] through 32 x 32 tiles in shared memory (W_down and its gradient: the row
+// kernels gather rows of W_down transposed).
+__global__ void __launch_bounds__(256) transpose_kernel(const __nv_bfloat16* __restrict__ src,
+                                                        __nv_bfloat16* __restrict__ dst, int R, int C) {
+  __shared__ __nv_bfloat16 tile[32][34];
+  const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32, tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+#pragma unroll
+  for (int i = 0; i < 32; i += 8) {
+    const int r = r0 + ty + i, c = c0 + tx;
+    if (r < R && c < C) tile[ty + i][tx] = src[size_t(r) * C + c];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 32; i += 8) {
+    const int c = c0 + ty + i, r = r0 + tx;
+    if (r < R && c < C) dst[size_t(c) * R + r] = tile[tx][ty + i];
+  }
+}
+
+int row_blocks(int M) { return (M + kRowsPerBlock - 1) / kRowsPerBlock; }
+
+size_t row_smem(int slots, int arrays) { return size_t(kStages) * kRowThreads * 16 + size_t(arrays) * slots * 4; }
+
+}  // namespace
+
+cudaError_t launch_train_compact(const void* g, int M, int H, int slots, int* idx, void* val, int* nnz,
+                                 uint8_t* neuron_active, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  const bool vec = H % 8 == 0 && reinterpret_cast<uintptr_t>(g) % 16 == 0;
+  auto* gp = static_cast<const __nv_bfloat16*>(g);
+  auto* vp = static_cast<__nv_bfloat16*>(val);
+  if (vec)
+    compact_kernel<true><<<row_blocks(M), kRowsPerBlock * 32, 0, stream>>>(gp, M, H, slots, idx, vp, nnz,
+                                                                            neuron_active);
+  else
+    compact_kernel<false><<<row_blocks(M), kRowsPerBlock * 32, 0, stream>>>(gp, M, H, slots, idx, vp, nnz,
+                                                                             neuron_active);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_rows_forward(const TrainRows& a, cudaStream_t stream) {
+  if (a.M == 0) return cudaSuccess;
+  if (a.D > 8 * kRowThreads) return cudaErrorInvalidValue;
+  const size_t smem = row_smem(a.slots, 2);
+  cudaError_t err = cudaFuncSetAttribute(rows_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  rows_forward_kernel<<<a.M, kRowThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val), a.nnz,
+      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
+      static_cast<__nv_bfloat16*>(a.out), static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1),
+      a.row_l1, a.D, a.slots);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_rows_backward(const TrainRows& a, cudaStream_t stream) {
+  if (a.M == 0) return cudaSuccess;
+  if (a.D > 8 * kRowThreads) return cudaErrorInvalidValue;
+  const size_t smem = row_smem(a.slots, 3);
+  cudaError_t err = cudaFuncSetAttribute(rows_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  rows_backward_kernel<<<a.M, kRowThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val),
+      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.h), a.nnz,
+      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
+      static_cast<const __nv_bfloat16*>(a.w2), a.l1_grad, static_cast<__nv_bfloat16*>(a.out),
+      static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1), a.D, a.slots);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, int slots, int* counts, int* cursor,
+                                 int* ent, bool fill, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  if (fill)
+    entry_fill_kernel<<<row_blocks(M), kRowsPerBlock * 32, 0, stream>>>(idx, nnz, M, slots, cursor, ent);
+  else
+    entry_count_kernel<<<row_blocks(M), kRowsPerBlock * 32, 0, stream>>>(idx, nnz, M, slots, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream) {
+  if (R == 0 || C == 0) return cudaSuccess;
+  transpose_kernel<<<dim3((C + 31) / 32, (R + 31) / 32), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                                          static_cast<__nv_bfloat16*>(dst), R, C);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
+                              const int* col_ptr, cudaStream_t stream) {
+  return cub::DeviceSegmentedSort::SortKeys(temp, *temp_bytes, in, out, n, H, col_ptr, col_ptr + 1, stream);
+}
+
+cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,
+                              int* item_lo, int* item_hi, int* item_part, int* long_col, int* long_lo, int* long_n,
+                              bool fill, cudaStream_t stream) {
+  const int blocks = (H + 255) / 256;
+  if (fill)
+    plan_fill_kernel<<<blocks, 256, 0, stream>>>(col_ptr, sizes, incl, H, chunk, item_col, item_lo, item_hi,
+                                                 item_part, long_col, long_lo, long_n);
+  else
+    plan_count_kernel<<<blocks, 256, 0, stream>>>(col_ptr, H, chunk, sizes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream) {
+  const int threads = ((a.D / 8 + 31) / 32) * 32;
+  if (a.n_items > 0) {
+    columns_kernel<<<a.n_items, threads, 0, stream>>>(
+        a.ent, a.item_col, a.item_lo, a.item_hi, a.item_part, static_cast<const __nv_bfloat16*>(a.h),
+        static_cast<const __nv_bfloat16*>(a.du), static_cast<const __nv_bfloat16*>(a.dg),
+        static_cast<const __nv_bfloat16*>(a.x), static_cast<const __nv_bfloat16*>(a.dy),
+        static_cast<const __nv_bfloat16*>(a.heavy_down), static_cast<const __nv_bfloat16*>(a.heavy_up),
+        static_cast<const __nv_bfloat16*>(a.heavy_gate), static_cast<__nv_bfloat16*>(a.d_down_t),
+        static_cast<__nv_bfloat16*>(a.d_up), static_cast<__nv_bfloat16*>(a.d_gate), a.partial, a.D, a.slots);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (a.n_long > 0) {
+    columns_reduce_kernel<<<a.n_long, threads, 0, stream>>>(
+        a.long_col, a.long_part_lo, a.long_part_n, a.partial, static_cast<const __nv_bfloat16*>(a.heavy_down),
+        static_cast<const __nv_bfloat16*>(a.heavy_up), static_cast<const __nv_bfloat16*>(a.heavy_gate),
+        static_cast<__nv_bfloat16*>(a.d_down_t), static_cast<__nv_bfloat16*>(a.d_up),
+        static_cast<__nv_bfloat16*>(a.d_gate), a.D);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace twell

@@ -1,0 +1,120 @@
+"""The sparse training FFN on the CUDA kernels: forward and backward of the ReLU-gated FFN that skip
+the inactive neurons, with the signature of :func:`twell.reference.training.train_gated_ffn`.
+
+Forward: the gate GEMM (cuBLAS), then ``train_compact`` keeps each row's active neurons (column,
+relu(g)) in ``slots`` per row; rows with more are *heavy*. Light rows run the row kernel (the up
+projection at their active neurons, the down projection from them); heavy rows run dense GEMMs on
+just those rows. The forward also sorts the light rows' entries by neuron (rows ascending within
+each) for the backward. Backward: the row kernel gives dx and the per-entry gradients du and dg; the
+column kernel writes the three weight gradients from the sorted entries (long neurons split in
+chunks, summed in order); heavy rows recompute their gate and up values and go through dense GEMMs.
+Nothing is ever dropped: every row is light or heavy, whatever the pattern, and both passes are
+deterministic. The forward reads the number of heavy rows and the work list's sizes back to the host
+(one sync, before the light-row kernel: the host queues the rest while that kernel runs); the
+backward needs none. Both passes run as one C++ call each (``csrc/bindings.cpp``), which keeps the host's
+share of a call small.
+
+Two custom ops (``twell::train_ffn_fwd``, ``twell::train_ffn_bwd``) with fake implementations carry
+the work, so ``torch.compile`` traces a layer without a graph break; an autograd Function ties them.
+Design and measurements: docs/training_kernels.md.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from twell.kernels.build import load
+from twell.reference.training import TRAIN_SLOTS, check_train_args
+
+# Entries of one work item of the weight-gradient kernel: a neuron active on more rows is split in
+# chunks of this many rows, summed in chunk order (bounds one block's work; fp32 partials).
+COLUMN_CHUNK = 512
+
+
+def _train_fwd_eager(x, w_gate, w_up, w_down, slots):
+    return load().train_forward(x, w_gate, w_up, w_down, slots, COLUMN_CHUNK)
+
+
+def _train_bwd_eager(*args):
+    return load().train_backward(*args)
+
+
+@torch.library.custom_op("twell::train_ffn_fwd", mutates_args=())
+def _train_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int) -> list[Tensor]:
+    """out, l1 per row, nnz, neuron_active, and what the backward reads: idx, val, u, h (the light rows'
+    entries), heavy rows (ascending, padded with -1), the weight-gradient work list (entries, items,
+    long neurons), its sizes as a CPU int64 [4] (heavy rows, items, partials, long neurons: read here
+    with the one host sync, so the backward needs none) and W_down transposed."""
+    return load().train_forward(x, w_gate, w_up, w_down, slots, COLUMN_CHUNK)
+
+
+@_train_fwd.register_fake
+def _(x, w_gate, w_up, w_down, slots):
+    M, D, H = x.shape[0], x.shape[1], w_gate.shape[0]
+    n = M * slots
+    max_items = H + (n + COLUMN_CHUNK - 1) // COLUMN_CHUNK
+    max_long = max(1, min(H, (n + COLUMN_CHUNK - 1) // COLUMN_CHUNK))
+    e = x.new_empty
+    i32 = torch.int32
+    return [e((M, D)), e((M,), dtype=torch.float32), e((M,), dtype=i32), e((H,), dtype=torch.bool),
+            e((M, slots), dtype=i32), e((M, slots)), e((M, slots)), e((M, slots)), e((M,), dtype=torch.int64),
+            e((max(n, 1),), dtype=i32), e((4, max_items), dtype=i32), e((3, max_long), dtype=i32),
+            torch.empty((4,), dtype=torch.int64, device="cpu"), e((H, D))]
+
+
+@torch.library.custom_op("twell::train_ffn_bwd", mutates_args=())
+def _train_bwd(d_out: Tensor, l1_grad: Optional[Tensor], x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+               w_down_t: Tensor, idx: Tensor, val: Tensor, u: Tensor, h: Tensor, nnz: Tensor, heavy: Tensor,
+               ent: Tensor, items: Tensor, longs: Tensor, sizes: Tensor, slots: int
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dx, d_gate, d_up, d_down = load().train_backward(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val,
+                                                     u, h, nnz, heavy, ent, items, longs, sizes, slots)
+    return dx, d_gate, d_up, d_down
+
+
+@_train_bwd.register_fake
+def _(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h, nnz, heavy, ent, items, longs, sizes,
+      slots):
+    return (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down))
+
+
+class _TrainGatedFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, slots):
+        # Eager calls skip the custom op's dispatch (~0.1 ms of host time a call); compiled code traces the op.
+        fwd = _train_fwd if torch.compiler.is_compiling() else _train_fwd_eager
+        out, row_l1, nnz, act, *saved = fwd(x, w_gate, w_up, w_down, slots)
+        l1 = row_l1.sum() / max(1, x.shape[0])
+        ctx.save_for_backward(x, w_gate, w_up, w_down, nnz, *saved)
+        ctx.slots = slots
+        ctx.mark_non_differentiable(nnz, act)
+        return out, l1, nnz, act
+
+    @staticmethod
+    def backward(ctx, d_out, d_l1, _nnz, _act):
+        x, w_gate, w_up, w_down, nnz, idx, val, u, h, heavy, ent, items, longs, sizes, w_down_t = ctx.saved_tensors
+        l1_grad = None if d_l1 is None else (d_l1.float() / max(1, x.shape[0])).reshape(1)
+        if d_out is None:
+            d_out = torch.zeros_like(x)
+        bwd = _train_bwd if torch.compiler.is_compiling() else _train_bwd_eager
+        dx, d_gate, d_up, d_down = bwd(d_out.contiguous(), l1_grad, x, w_gate, w_up, w_down, w_down_t, idx,
+                                         val, u, h, nnz, heavy, ent, items, longs, sizes, ctx.slots)
+        return dx, d_gate, d_up, d_down, None
+
+
+def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int = TRAIN_SLOTS
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Differentiable sparse gated FFN for training on the CUDA kernels:
+    ``(out bf16 [M, D], l1 fp32 0-dim = mean over rows of sum |h|, nnz int32 [M], neuron_active bool [H])``.
+
+    x bf16 [M, D]; w_gate, w_up bf16 [H, D]; w_down bf16 [D, H] (nn.Linear layouts). Exact for any
+    activation pattern (rows with more than ``slots`` active neurons run dense)."""
+    check_train_args(x, w_gate, w_up, w_down, slots)
+    if not x.is_cuda:
+        raise ValueError(f"the training kernels run on CUDA tensors; x is on {x.device} "
+                         "(twell.reference.training.train_gated_ffn runs anywhere)")
+    if x.shape[1] % 8 or x.shape[1] > 2048:
+        raise ValueError(f"the training kernels need D to be a multiple of 8 and at most 2048, got D={x.shape[1]}")
+    return _TrainGatedFFN.apply(x, w_gate, w_up, w_down, slots)

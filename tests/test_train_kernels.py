@@ -1,0 +1,161 @@
+"""The sparse training kernels against the pure-PyTorch reference: outputs, L1, activity and every
+gradient, on random and odd shapes, the benchmark's sparsity cases, all-zero and fully dense rows,
+and layers whose heavy rows exceed any fixed capacity (GPU only; skipped and counted without CUDA)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from twell.bench.generator import calibrated_ffn_inputs
+from twell.kernels import training as ktrain
+from twell.reference import training as ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_ready")]
+
+
+def _run(fn, x, w_gate, w_up, w_down, dy, coef, slots):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    out, l1, nnz, act = fn(*leaves, slots=slots)
+    grads = torch.autograd.grad((out, l1), leaves, (dy.to(out.dtype), torch.tensor(coef, device=x.device)))
+    return [out.detach(), l1.detach(), *grads], nnz, act
+
+
+def _fp32_truth(x, w_gate, w_up, w_down, dy, coef):
+    leaves = [t.detach().float().clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    xs, wg, wu, wd = leaves
+    h = torch.relu(xs @ wg.t()) * (xs @ wu.t())
+    out = h @ wd.t()
+    l1 = h.abs().sum(-1).mean()
+    grads = torch.autograd.grad((out, l1), leaves, (dy.float(), torch.tensor(coef, device=x.device)))
+    return [out.detach(), l1.detach(), *grads]
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+NAMES = ("out", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
+
+
+def check_case(x, w_gate, w_up, w_down, slots=ref.TRAIN_SLOTS, coef=0.3, seed=0, factor=2.0, floor=2e-3):
+    """Kernel and dense bf16 against fp32: every output within ``factor`` x dense's error (+ floor);
+    activity equal to the reference's exactly."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dy = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(x.device)
+    got, nnz, act = _run(ktrain.train_gated_ffn, x, w_gate, w_up, w_down, dy, coef, slots)
+    dense, nnz_r, act_r = _run(ref.train_gated_ffn, x, w_gate, w_up, w_down, dy, coef, slots)
+    truth = _fp32_truth(x, w_gate, w_up, w_down, dy, coef)
+    assert torch.equal(nnz, nnz_r)
+    assert torch.equal(act, act_r)
+    report = {}
+    for name, a, d, t in zip(NAMES, got, dense, truth):
+        assert a.shape == d.shape and a.dtype == d.dtype, name
+        assert torch.isfinite(a).all(), name
+        e_k, e_d = _rel(a, t), _rel(d, t)
+        report[name] = (e_k, e_d)
+        assert e_k <= factor * e_d + floor, f"{name}: kernel {e_k:.3e} vs dense bf16 {e_d:.3e} (against fp32)"
+    return nnz, report
+
+
+def _random(M, D, H, seed=0, bias=0.0, device="cuda"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(M, D, generator=g)
+    wg = torch.randn(H, D, generator=g) / math.sqrt(D)
+    wg[:, 0] = bias  # with x[:, 0] = 1 a bias on every gate: negative -> sparse
+    x[:, 0] = 1.0
+    wu = torch.randn(H, D, generator=g) / math.sqrt(D)
+    wd = torch.randn(D, H, generator=g) / math.sqrt(H)
+    return [t.to(torch.bfloat16).to(device) for t in (x, wg, wu, wd)]
+
+
+@pytest.mark.parametrize("M,D,H,bias,slots", [
+    (1, 8, 1, -1.0, 128),
+    (37, 136, 200, -1.5, 16),
+    (300, 264, 777, -2.0, 8),
+    (1000, 512, 1408, -2.5, 128),
+    (513, 2048, 5632, -2.5, 128),
+    (64, 1032, 96, 0.0, 4),  # half of the gate open: most rows heavy
+])
+def test_random_shapes(M, D, H, bias, slots):
+    check_case(*_random(M, D, H, seed=M + D, bias=bias), slots=slots)
+
+
+@pytest.mark.parametrize("case", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)], ids=["nnz8", "nnz29", "nnz64", "heavy"])
+def test_benchmark_cases(case):
+    inp = calibrated_ffn_inputs(2048, 2048, 5632, case[0], case[1], seed=3, device="cuda")
+    nnz, _ = check_case(inp.x, inp.w_gate, inp.w_up, inp.w_down, coef=2e-5 * 2048)
+    assert abs(nnz.float().mean().item() - case[0]) < 0.1 * case[0]
+
+
+def test_zero_and_dense_rows():
+    x, wg, wu, wd = _random(257, 256, 640, bias=-2.0)
+    x[5] = 0  # no neuron active
+    x[7, 0] = -100.0  # every neuron active: -100 times the gate bias -2
+    x[9:20] = 0
+    nnz, _ = check_case(x, wg, wu, wd, slots=32)
+    assert nnz[5] == 0 and nnz[9:20].eq(0).all()
+    assert nnz[7] == 640
+
+
+def test_all_rows_heavy_past_any_capacity():
+    """Every row over its slots (no fixed capacity could hold them): all through the dense part."""
+    x, wg, wu, wd = _random(4096, 256, 512, bias=0.5)
+    nnz, _ = check_case(x, wg, wu, wd, slots=8)
+    assert bool((nnz > 8).all())
+
+
+def test_long_neurons_are_chunked():
+    """A neuron active on every row: its weight gradients sum several chunks of the entry list."""
+    x, wg, wu, wd = _random(3000, 512, 300, bias=-3.0)
+    wg[0] = 0
+    wg[0, 0] = 1.0  # neuron 0: gate = 1 on every row
+    nnz, _ = check_case(x, wg, wu, wd)
+    assert nnz.min() >= 1
+
+
+def test_zero_rows_input():
+    x, wg, wu, wd = _random(0, 64, 128)
+    out, l1, nnz, act = ktrain.train_gated_ffn(x, wg, wu, wd)
+    assert out.shape == (0, 64) and nnz.shape == (0,) and not act.any()
+
+
+def test_deterministic():
+    x, wg, wu, wd = _random(2048, 512, 1408, bias=-2.0, seed=5)
+    dy = torch.randn_like(x)
+    a, _, _ = _run(ktrain.train_gated_ffn, x, wg, wu, wd, dy, 0.1, 128)
+    b, _, _ = _run(ktrain.train_gated_ffn, x, wg, wu, wd, dy, 0.1, 128)
+    for name, s, t in zip(NAMES, a, b):
+        assert torch.equal(s, t), name
+
+
+def test_bad_inputs():
+    x, wg, wu, wd = _random(16, 64, 128)
+    with pytest.raises(ValueError, match="w_down"):
+        ktrain.train_gated_ffn(x, wg, wu, wd.t().contiguous())
+    with pytest.raises(TypeError, match="bfloat16"):
+        ktrain.train_gated_ffn(x.float(), wg, wu, wd)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ktrain.train_gated_ffn(*_random(16, 60, 128))
+    with pytest.raises(ValueError, match="slots"):
+        ktrain.train_gated_ffn(x, wg, wu, wd, slots=0)
+
+
+def test_compiles_without_graph_break():
+    x, wg, wu, wd = _random(512, 256, 640, bias=-2.0)
+    leaves = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+
+    def f(x, wg, wu, wd):
+        out, l1, _, _ = ktrain.train_gated_ffn(x, wg, wu, wd)
+        return (out.float().square().sum() + l1)
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(*leaves)
+    loss.backward()
+    eager = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    f(*eager).backward()
+    for a, b in zip(leaves, eager):
+        assert torch.equal(a.grad, b.grad)
