@@ -71,6 +71,11 @@ class TrainConfig:
     wall_reserve_s: float = 20.0  # seconds kept free before a wall-clock limit for the final save
     compile: bool = False  # torch.compile each decoder layer
     activation_checkpointing: bool = False
+    # The sparse training kernels (twell.nn.sparse_training): auto = used for a ReLU-gated model with
+    # L1 > 0 on a GPU where the kernels build; always = required (an error where they cannot run);
+    # never. (Not on/off: YAML reads those as booleans.)
+    sparse_kernels: str = "auto"
+    sparse_max_active: float = 0.008  # a layer trains sparse at or below this active fraction (smoothed over steps)
     tf32: bool = True
     export_dtype: str | None = "bf16"  # dtype of the final Hugging Face export (None: keep fp32)
     export_max_shard: str = "2GB"
@@ -153,6 +158,10 @@ class RunConfig:
             raise ValueError(f"train.precision must be 'bf16' or 'fp32', got {t.precision!r}")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
+        if t.sparse_kernels not in ("auto", "always", "never"):
+            raise ValueError(f"train.sparse_kernels must be auto, always or never, got {t.sparse_kernels!r}")
+        if not 0 <= t.sparse_max_active <= 1:
+            raise ValueError(f"train.sparse_max_active is a fraction in [0, 1], got {t.sparse_max_active}")
         if t.export_dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"train.export_dtype must be bf16, fp32 or null, got {t.export_dtype!r}")
         for name in ("eval_tokens", "eval_micro_batch"):  # None: the whole split / micro_batch

@@ -100,6 +100,7 @@ class Trainer:
         model = build_model(cfg.model).to(dev)
         self.params = count_parameters(model)
         set_tracking(model, True)
+        self.sparse_training, self.sparse_note = self._sparse_training(model)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if t.compile:
@@ -136,6 +137,34 @@ class Trainer:
             (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
     # -- set-up ----------------------------------------------------------------------------------
+    def _sparse_training(self, model) -> tuple:
+        """The sparse training backend plugged into every FFN (or None), and why not when not."""
+        cfg, mode = self.cfg, self.cfg.train.sparse_kernels
+        if mode == "never":
+            return None, "train.sparse_kernels is never"
+        why = ""
+        if self.info.device.type != "cuda":
+            why = f"device {self.info.device.type}"
+        elif cfg.model.ffn != "relu_gated":
+            why = f"model.ffn {cfg.model.ffn} (the kernels train ReLU-gated FFNs)"
+        elif mode == "auto" and cfg.sparsity.l1_coef == 0:
+            why = "L1 coefficient 0 (a dense baseline; train.sparse_kernels=always forces the kernels)"
+        else:
+            from twell import kernels
+
+            ok, reason = kernels.available()
+            why = "" if ok else f"kernels unavailable: {reason}"
+        if why:
+            if mode == "always":
+                raise ValueError(f"train.sparse_kernels is always but the sparse training kernels cannot run: {why}")
+            return None, why
+        from twell.nn.sparse_training import SparseTraining, use_sparse_training
+
+        m = cfg.train.sparse_max_active
+        # max_active 1 admits any activity: sparse from the first step, before any is measured
+        backend = SparseTraining(max_active=m, start="sparse" if m >= 1 else "dense")
+        return use_sparse_training(model, backend), ""
+
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
         existing = [p for p in ("ckpt", "metrics.jsonl") if (self.out / p).exists()]
         if existing and not resume and not overwrite:
@@ -276,11 +305,20 @@ class Trainer:
         self.metrics.write({
             "kind": "train", "step": self.step, **rec, "tokens": self.step * tps,
             "epoch": self.order.epochs(self.step * self.cfg.train.global_batch), "elapsed_s": self._elapsed(),
-            "step_s": step_s, "tok_s": tps / max(step_s, 1e-9),
+            "step_s": step_s, "tok_s": tps / max(step_s, 1e-9), **self._memory(),
         })
         bar.set_postfix(ce=f"{rec['ce']:.3f}", act=f"{100 * rec['active_frac']:.2f}%",
                         tok_s=f"{tps / max(step_s, 1e-9):.0f}", refresh=False)
         return step_s, now, self.step
+
+    def _memory(self) -> dict:
+        """Peak GPU memory allocated since the last record (MB), then reset: {} off CUDA."""
+        dev = self.info.device
+        if dev.type != "cuda":
+            return {}
+        peak = torch.cuda.max_memory_allocated(dev) / 2**20
+        torch.cuda.reset_peak_memory_stats(dev)
+        return {"peak_mem_mb": peak}
 
     def _to_record(self, raw: dict) -> dict:
         ce, l1 = raw["sums"].tolist()
@@ -360,6 +398,10 @@ class Trainer:
         while self.step < t.steps:
             raw = self._train_step(self.step)
             self.step += 1
+            if self.sparse_training is not None:  # routes change between steps only (checkpoint recomputes agree)
+                routes = self.sparse_training.update(self.ffns, raw["active_mean"].tolist())
+                if routes is not None:
+                    self._event("ffn-routes", routes=routes)
             if s.reinit_dead and self.step % s.reinit_every == 0:
                 # The tracker's counters are reduced over ranks; the AND keeps every rank's decision the same anyway.
                 dead = all_ranks_true(self.tracker.dead_mask(), self.info)
@@ -467,7 +509,8 @@ class Trainer:
             f"val tokens; tokenizer {self.data.tokenizer_choice['kind']} {self.data.tokenizer_choice['name']} "
             f"(vocab {self.data.vocab_size})\n"
             f"  device {self.info.device} ({'FSDP2' if self.fsdp else 'single process'}), precision {t.precision}, "
-            f"compile={t.compile}, activation checkpointing={t.activation_checkpointing}; out {self.out}"
+            f"compile={t.compile}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
+            f"{self.sparse_training or 'no, ' + self.sparse_note}; out {self.out}"
         )
 
     def _summary(self, hf_dir: Path | None) -> dict:

@@ -1,0 +1,136 @@
+"""The sparse training backend on CPU (pure-PyTorch reference): routes, statistics, refusals, and the
+trainer's switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twell.nn import SparseFFN
+from twell.nn.sparse_training import SparseTraining
+from twell.reference.training import train_gated_ffn
+from twell.train.config import load_config
+from twell.train.metrics import read_metrics
+from test_train_runs import _cfg, smoke_data  # noqa: F401 (a fixture)
+
+
+def _ffn(D=32, H=48, dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    f = SparseFFN(D, H).to(dtype)
+    f.track = True
+    return f
+
+
+def test_reference_backend_matches_dense_and_fills_stats():
+    f = _ffn()
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16, requires_grad=True)
+    out_d = f(x)
+    l1_d = f.stats.l1
+    (out_d.float().sum() + l1_d).backward()
+    grads_d = [x.grad.clone()] + [p.grad.clone() for p in f.parameters()]
+    x.grad = None
+    f.zero_grad()
+    backend = SparseTraining(impl="reference", start="sparse")
+    f.train_backend = backend
+    out_s = f(x)
+    assert f.last_path == "train-reference"
+    assert f.stats.active_per_token.shape == (3, 5) and f.stats.neuron_active.shape == (48,)
+    (out_s.float().sum() + f.stats.l1).backward()
+    grads_s = [x.grad] + [p.grad for p in f.parameters()]
+    assert torch.equal(out_s, out_d)
+    for a, b in zip(grads_s, grads_d):
+        assert torch.equal(a, b)
+
+
+def test_routes_switch_with_hysteresis():
+    fs = [_ffn(H=100), _ffn(H=100)]
+    b = SparseTraining(impl="reference", max_active=0.1, smoothing=0.0)
+    assert b.route(fs[0]) == "dense"
+    assert b.update(fs, [50, 9]) == ["dense", "sparse"]
+    assert b.update(fs, [50, 11]) is None  # 11% is inside the band (10%, 12.5%]: stays sparse
+    assert b.update(fs, [10, 13]) == ["sparse", "dense"]
+    with pytest.raises(ValueError, match="2 layers"):
+        b.update(fs, [1])
+
+
+def test_smoothing_holds_a_route_through_one_step():
+    f = _ffn(H=100)
+    b = SparseTraining(impl="reference", max_active=0.1, smoothing=0.5)
+    assert b.update([f], [5]) == ["sparse"]
+    assert b.update([f], [20]) is None  # smoothed 12.5%: inside the band
+    assert abs(f.train_activity - 0.125) < 1e-9
+    assert b.update([f], [20]) == ["dense"]  # 16.25%
+
+
+def test_unsupported_layers_run_dense_with_a_note():
+    f = _ffn(dtype=torch.float32)
+    f.train_backend = SparseTraining(impl="reference", start="sparse")
+    x = torch.randn(4, 32, requires_grad=True)
+    f(x)
+    assert f.last_path == "dense" and "bfloat16" in f.train_note
+    g = _ffn()
+    g.train_backend = SparseTraining(impl="kernel", start="sparse")
+    g(torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True))
+    assert g.last_path == "dense" and "cpu" in g.train_note
+
+
+def test_bad_backend_settings():
+    with pytest.raises(ValueError, match="impl"):
+        SparseTraining(impl="fast")
+    with pytest.raises(ValueError, match="max_active"):
+        SparseTraining(max_active=2)
+
+
+def test_config_switch_is_validated():
+    cfg = load_config("tiny")
+    cfg.train.sparse_kernels = "maybe"
+    with pytest.raises(ValueError, match="sparse_kernels"):
+        cfg.validate()
+
+
+def test_reference_signature_matches_the_kernels():
+    import inspect
+
+    from twell.kernels import training as kt
+
+    assert inspect.signature(kt.train_gated_ffn) == inspect.signature(train_gated_ffn)
+
+
+def test_trainer_switch_on_cpu(tmp_path, smoke_data):
+    from twell.train import run
+
+    cfg = _cfg(smoke_data, steps=2, eval_every=2, ckpt_every=2)
+    res = run(cfg, out=tmp_path / "auto")
+    start = next(r for r in read_metrics(res.out_dir / "metrics.jsonl")["event"] if r["event"] == "start")
+    assert "sparse training kernels: no, device cpu" in start["describe"]
+    cfg["train"]["sparse_kernels"] = "always"
+    with pytest.raises(ValueError, match="sparse_kernels is always"):
+        run(cfg, out=tmp_path / "always")
+
+
+def test_training_kernel_bench_table_and_figures(tmp_path):
+    import json
+    import shutil
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from twell.paths import repo_root
+    from twell.train import plots
+    from twell.train.study import training_kernel_bench
+
+    assert training_kernel_bench(tmp_path) == (None, None)
+    src = sorted((repo_root() / "reports" / "bench").glob("ffn-*-train.json"))[-1]
+    shutil.copy(src, tmp_path / src.name)
+    table, path = training_kernel_bench(tmp_path)
+    res = json.loads(src.read_text())
+    assert path.name == src.name and len(table) == sum(c["case"]["kind"] == "train" for c in res["cases"])
+    first = res["cases"][0]
+    assert table["speed-up"][0] == first["impls"]["twell-train-kernel"]["speedup"]
+    assert plots.plot_kernel_bench(table) is not None
+    recs = [{"kind": "train", "step": s, "tok_s": 1000.0 + s, "active_frac": 0.5 / s, "peak_mem_mb": 10.0,
+             "ce": 1.0} for s in range(1, 30)]
+    recs.append({"kind": "event", "step": 12, "event": "ffn-routes", "routes": ["sparse"]})
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    fig = plots.plot_throughput({"run": m})
+    assert len(fig.axes) == 3

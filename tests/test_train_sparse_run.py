@@ -1,0 +1,66 @@
+"""A short training run on the sparse training kernels against the same run on the dense path (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twell.data import DataConfig, prepare_data
+from twell.train import run
+from twell.train.metrics import read_metrics
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return prepare_data(DataConfig(source="smoke", vocab_size=512, max_docs=150),
+                        out_dir=tmp_path_factory.mktemp("data") / "smoke512", progress=False)
+
+
+def _cfg(data, sparse: str, steps: int = 200):
+    return {"name": f"run-{sparse}",
+            "model": {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024, "num_layers": 2,
+                      "num_heads": 4, "num_kv_heads": 4, "max_position_embeddings": 128},
+            "data": {"source": str(data.dir)},
+            "train": {"steps": steps, "seq_len": 64, "global_batch": 16, "micro_batch": 8, "precision": "bf16",
+                      "device": "cuda", "eval_every": steps, "eval_tokens": 2048, "ckpt_every": steps,
+                      "export_dtype": None, "progress": False, "sparse_kernels": sparse, "sparse_max_active": 1.0},
+            "optim": {"lr": 3e-3, "warmup_steps": 20},
+            "sparsity": {"l1_coef": 3e-3, "positions_every": 50}}
+
+
+def test_sparse_kernels_train_like_dense(tmp_path, data):
+    res = {}
+    for mode in ("always", "never"):
+        out = tmp_path / mode
+        run(_cfg(data, mode), out=out)
+        m = read_metrics(out / "metrics.jsonl")
+        res[mode] = [(r["ce"], r["active_frac"]) for r in m["train"]]
+        start = next(r for r in m["event"] if r["event"] == "start")
+        assert ("SparseTraining(impl='kernel'" in start["describe"]) == (mode == "always")
+    sparse, dense = res["always"], res["never"]
+    assert len(sparse) == len(dense) == 200
+    # the first steps agree to bf16 rounding
+    for (cs, _), (cd, _) in zip(sparse[:3], dense[:3]):
+        assert abs(cs - cd) <= 2e-3 * cd
+    # then within noise: the last 50 steps' mean CE within 2%, and sparsity set in on both
+    tail = lambda rs, i: sum(r[i] for r in rs[-50:]) / 50  # noqa: E731
+    assert abs(tail(sparse, 0) - tail(dense, 0)) <= 0.02 * tail(dense, 0)
+    assert tail(sparse, 1) < 0.2 and tail(dense, 1) < 0.2
+
+
+def test_compiled_layers_have_no_graph_break(tmp_path, data):
+    """torch.compile of each decoder layer on the kernels: no graph break. (With activation
+    checkpointing too, dense and sparse alike break once per layer on the statistics the FFN records
+    inside the checkpoint: docs/training_kernels.md.)"""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    cfg = _cfg(data, "always", steps=4)
+    cfg["train"].update(compile=True)
+    run(cfg, out=tmp_path / "compiled")
+    m = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
+    assert len(m["train"]) == 4 and all(r["ce"] == r["ce"] for r in m["train"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
