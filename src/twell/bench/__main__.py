@@ -1,4 +1,5 @@
 """``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn);
+``python -m twell.bench train-ffn [...]``: its training cases with the sparse training kernels;
 ``python -m twell.bench provenance FILE.json``: the commits whose code made a result (twell.bench.provenance)."""
 from __future__ import annotations
 
@@ -18,6 +19,23 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("ffn", help="dense vs sparse gated FFN: correctness, time, energy, memory",
                        description="Defaults: protocol shapes on CUDA (M 8192/65536/131072, D 2048, H 5632, "
                                    "odd shape 12345 x 5600, training M 16384); tiny shapes on CPU.")
+    _ffn_arguments(f)
+    t = sub.add_parser("train-ffn", help="the training FFN (forward + backward + L1) against dense: time, memory",
+                       description="python -m twell.bench ffn --shapes train --train-impl twell-train-kernel: "
+                                   "M 16384, D 2048, H 5632, cases nnz8 / nnz29 / nnz64 / nnz29-heavy on CUDA.")
+    _ffn_arguments(t)
+    t.set_defaults(shapes="train", train_impl=["twell-train-kernel"], impl=[])
+    v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
+                       description="Recomputes the csrc and package digests of the newest commits from git and "
+                                   "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
+                                   "on the GPU machine, may record no commit or an older one: the digests are what "
+                                   "ties it to a tree).")
+    v.add_argument("json", type=Path, help="a benchmark JSON (reports/bench/ffn-*.json)")
+    v.add_argument("--max-count", type=int, default=500, help="how many commits back to look (default 500)")
+    return p
+
+
+def _ffn_arguments(f: argparse.ArgumentParser) -> None:
     f.add_argument("--shapes", choices=SHAPES, default="all",
                    help="inference (includes the odd correctness shape and, with --checkpoint, the real cases), "
                         "odd, train, real (the checkpoint's layers only), or all (default)")
@@ -55,14 +73,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--real-M", type=int, help="tokens per real case (default 65536 on CUDA, 256 on CPU)")
     r.add_argument("--real-seq", type=int, help="sequence length (default: the model's context, at most 1024)")
     r.add_argument("--real-layers", nargs="+", type=int, help="SparseFFN layer indices (default: all)")
-    v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
-                       description="Recomputes the csrc and package digests of the newest commits from git and "
-                                   "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
-                                   "on the GPU machine, may record no commit or an older one: the digests are what "
-                                   "ties it to a tree).")
-    v.add_argument("json", type=Path, help="a benchmark JSON (reports/bench/ffn-*.json)")
-    v.add_argument("--max-count", type=int, default=500, help="how many commits back to look (default 500)")
-    return p
 
 
 def provenance_main(args: argparse.Namespace) -> int:
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(
         device=args.device, shapes=args.shapes, cases=tuple(args.cases), Ms=tuple(args.M) if args.M else None,
         D=args.D, H=args.H, odd_M=args.odd_M, odd_H=args.odd_H, train_M=args.train_M,
-        impls=tuple(args.impl) if args.impl else None, train_impls=tuple(args.train_impl), reps=args.reps,
+        impls=tuple(args.impl) if args.impl is not None and (args.impl or args.command == "train-ffn") else None, train_impls=tuple(args.train_impl), reps=args.reps,
         warmup=args.warmup, seed=args.seed, tol=args.tol, energy=not args.no_energy,
         energy_seconds=args.energy_seconds, memory=not args.no_memory, flush_l2=not args.no_flush_l2,
         fp32_check=not args.no_fp32_check, out=args.out, tag=args.tag, checkpoint=args.checkpoint,

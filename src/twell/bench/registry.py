@@ -110,15 +110,27 @@ def _twell_reference() -> Callable:
     return sparse_gated_ffn
 
 
+def _twell_train_kernel() -> Callable:
+    from twell.kernels.training import train_gated_ffn
+
+    _kernels()
+
+    def fn(x, w_gate, w_up, w_down):
+        return train_gated_ffn(x, w_gate, w_up, w_down)[:2]
+
+    return fn
+
+
 def default_registry() -> Registry:
     """A fresh registry with "twell-kernel" (CUDA, sm_90a: the one-op sparse FFN, as a SparseFFN layer
     runs it), "twell-kernel-ops" (its gate and fused ops called one after the other, as a layer that
     keeps its TwELL does), "twell-kernel-union" (the one op with the fitted block-union rule,
     twell.reference.ffn.UNION_RULE, as a layer given the rule by choose_union_paths runs it) and
-    "twell-reference" (pure PyTorch)."""
+    "twell-reference" (pure PyTorch); for training, "twell-train-kernel" (twell.kernels.training)."""
     reg = Registry()
     reg.register("twell-kernel", _twell_kernel)
     reg.register("twell-kernel-ops", _twell_kernel_ops)
     reg.register("twell-kernel-union", _twell_kernel_union)
     reg.register("twell-reference", _twell_reference)
+    reg.register("twell-train-kernel", _twell_train_kernel, kind="training")
     return reg
