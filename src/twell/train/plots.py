@@ -127,6 +127,59 @@ def plot_dead(runs: Runs, title: str | None = None):
     return _finish(fig, title)
 
 
+def plot_throughput(runs: Runs, smooth: int = 10, title: str | None = None):
+    """Training throughput (tokens/s and peak GPU memory, where recorded) next to the active fraction,
+    against step: the sparse training kernels take over a layer as its activity falls (the dotted lines
+    mark the steps where a run changed a layer's route: its ``ffn-routes`` events)."""
+    import matplotlib.pyplot as plt
+
+    recs = _records(runs)
+    has_mem = any("peak_mem_mb" in r for v in recs.values() for r in v.get("train", []))
+    fig, axes = plt.subplots(1, 3 if has_mem else 2, figsize=(13 if has_mem else 9, 3.6))
+    for label, v in recs.items():
+        tr = [r for r in v.get("train", []) if "tok_s" in r]
+        if not tr:
+            continue
+        steps = np.array([r["step"] for r in tr])
+        color = axes[0].plot(*_smoothed(steps, np.array([r["tok_s"] for r in tr], float), smooth), lw=1.2,
+                             label=label)[0].get_color()
+        axes[1].plot(steps, 100 * np.array([r["active_frac"] for r in tr]), lw=1, color=color, label=label)
+        if has_mem:
+            axes[2].plot(steps, [r.get("peak_mem_mb", np.nan) for r in tr], lw=1, color=color, label=label)
+        for ev in v.get("event", []):
+            if ev.get("event") == "ffn-routes":
+                for ax in axes:
+                    ax.axvline(ev["step"], color=color, ls=":", lw=0.8, alpha=0.7)
+    axes[0].set(xlabel="step", ylabel="tokens / s", title=f"training throughput ({_window_text(recs, smooth)})")
+    axes[1].set(xlabel="step", ylabel="% of width", yscale="log", title="active neurons (mean over layers)")
+    if has_mem:
+        axes[2].set(xlabel="step", ylabel="MB", title="peak GPU memory between records")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _finish(fig, title)
+
+
+def plot_kernel_bench(table, title: str | None = None):
+    """Bars of :func:`twell.train.study.training_kernel_bench`'s table: speed-up of the training FFN
+    over dense per case, and peak memory above inputs, dense against sparse."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = [str(c).replace("train M=16384 ", "") for c in table["case"]]
+    x = np.arange(len(names))
+    a.bar(x, table["speed-up"], color="tab:green")
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set(xticks=x, xticklabels=names, ylabel="dense time / sparse time", title="forward + backward + L1")
+    b.bar(x - 0.2, table["dense peak MB"], 0.4, label="dense")
+    b.bar(x + 0.2, table["sparse peak MB"], 0.4, label="sparse kernels")
+    b.set(xticks=x, xticklabels=names, ylabel="MB", title="peak memory above inputs and weights")
+    b.legend(fontsize=7, loc="center right")
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
+    return _finish(fig, title)
+
+
 def plot_positions(runs: Runs, title: str | None = None):
     """Active neurons per token by position in the sequence (the last ``positions`` record of each run)."""
     import matplotlib.pyplot as plt

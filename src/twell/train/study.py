@@ -101,6 +101,7 @@ def figures_and_table(runs: Mapping[str, tuple[Path, Path | None]], reports_dir:
         "active_per_layer": plots.plot_active(metrics, widths=widths, title=note or None),
         "dead_fraction": plots.plot_dead(metrics, title=note or None),
         "active_by_position": plots.plot_positions(metrics, title=note or None),
+        "throughput": plots.plot_throughput(metrics, title=note or None),
     }
     paths = {name: list(save_figure(fig, f"{prefix}_{name}", reports_dir)) for name, fig in figs.items()}
     table = plots.summary_table(metrics, summaries)
@@ -120,3 +121,41 @@ def data_note(runs: Mapping[str, tuple[Path, Path | None]]) -> str:
             if lab not in labels:
                 labels.append(lab)
     return "data: " + "; ".join(labels) if labels else "data: unknown (runs without summary.json)"
+
+
+def training_kernel_bench(bench_dir: str | Path | None = None):
+    """The newest committed ``python -m twell.bench train-ffn`` result (an ffn-*.json with training cases
+    run by the sparse training kernels) as a DataFrame: per case, dense and sparse ms, speed-up, peak
+    memory above inputs and energy per token; ``(None, None)`` when there is none. Returns
+    ``(table, json path)``."""
+    import json
+
+    import pandas as pd
+
+    root = Path(bench_dir) if bench_dir is not None else repo_root() / "reports" / "bench"
+    found = []
+    for p in sorted(root.glob("ffn-*.json")):
+        try:
+            res = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        cases = [c for c in res.get("cases", []) if c.get("case", {}).get("kind") == "train"
+                 and "twell-train-kernel" in c.get("impls", {})]
+        if cases:
+            found.append((res["meta"].get("timestamp", ""), p, res, cases))
+    if not found:
+        return None, None
+    _, path, res, cases = max(found, key=lambda f: f[0])
+    rows = []
+    for c in cases:
+        d, k = c["dense"], c["impls"]["twell-train-kernel"]
+        mb = lambda b: None if b is None else b / 2**20  # noqa: E731
+        uj = lambda j: None if j is None else 1e6 * j  # noqa: E731
+        rows.append({"case": c["name"], "device": res["meta"].get("device_name"),
+                     "nnz (target)": c["case"]["nnz"], "tail": c["case"]["tail"],
+                     "dense ms": d["timing"]["median_ms"], "sparse ms": k["timing"]["median_ms"],
+                     "speed-up": k.get("speedup"), "rel. error": k.get("rel_err"),
+                     "dense peak MB": mb(d.get("peak_bytes_above_inputs")),
+                     "sparse peak MB": mb(k.get("peak_bytes_above_inputs")),
+                     "dense uJ/token": uj(d.get("joules_per_token")), "sparse uJ/token": uj(k.get("joules_per_token"))})
+    return pd.DataFrame(rows), path
