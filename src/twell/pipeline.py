@@ -2,7 +2,7 @@
 
 ``python -m twell.pipeline`` (also ``twell-pipeline`` and ``make run``) executes
 
-    00_twell_format -> 01_kernels -> 02_sparse_training -> 03_downstream_eval
+    00_twell_format -> 01_kernels -> 02_sparse_training -> 03_downstream_eval -> 04_efficiency
 
 from ``notebooks/<name>.ipynb``. Each notebook's parameters come from
 ``configs/pipeline/<name>.yaml``::
@@ -50,6 +50,7 @@ NOTEBOOK_ORDER: tuple[str, ...] = (
     "01_kernels",
     "02_sparse_training",
     "03_downstream_eval",
+    "04_efficiency",
 )
 DEFAULT_PROFILE = SMOKE_PROFILE
 KNOWN_PROFILES: tuple[str, ...] = ("cpu-smoke", "gpu-small", "gpu-full")

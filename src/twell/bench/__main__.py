@@ -1,5 +1,6 @@
 """``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn);
 ``python -m twell.bench train-ffn [...]``: its training cases with the sparse training kernels;
+``python -m twell.bench model CHECKPOINT [...]``: a whole model, dense against sparse (twell.bench.model);
 ``python -m twell.bench provenance FILE.json``: the commits whose code made a result (twell.bench.provenance)."""
 from __future__ import annotations
 
@@ -25,6 +26,28 @@ def _parser() -> argparse.ArgumentParser:
                                    "M 16384, D 2048, H 5632, cases nnz8 / nnz29 / nnz64 / nnz29-heavy on CUDA.")
     _ffn_arguments(t)
     t.set_defaults(shapes="train", train_impl=["twell-train-kernel"], impl=[])
+    mo = sub.add_parser("model", help="a whole model, dense against sparse: prefill, decode, energy, memory, training",
+                        description="twell.bench.model: a trained sparse checkpoint (directory or hub id) against its "
+                                    "dense twin (--dense-checkpoint) or its own dense path.")
+    mo.add_argument("checkpoint", help="sparse checkpoint: a Hugging Face directory (runs/<run>/final) or hub id")
+    mo.add_argument("--dense-checkpoint", help="the dense twin (default: the same checkpoint on the dense path)")
+    mo.add_argument("--label", help="name of the row, e.g. 0.5B (default: the checkpoint's folder name)")
+    mo.add_argument("--tokens", help="prepared data directory or .npy of token ids (default: random ids, labelled)")
+    mo.add_argument("--prefill-batch", nargs="+", type=int, default=[8, 32])
+    mo.add_argument("--seq", type=int, help="prefill and training sequence length (default min(2048, context))")
+    mo.add_argument("--decode-batch", nargs="+", type=int, default=[1, 32])
+    mo.add_argument("--prompt", type=int, default=512)
+    mo.add_argument("--new-tokens", type=int, default=256)
+    mo.add_argument("--train-batch", type=int, default=8, help="sequences per training step (0: no training rows)")
+    mo.add_argument("--train-steps", type=int, default=5)
+    mo.add_argument("--sparse-path", default="auto", choices=["auto", "kernel", "reference"])
+    mo.add_argument("--reps", type=int, default=10)
+    mo.add_argument("--no-energy", action="store_true")
+    mo.add_argument("--energy-seconds", type=float, default=2.0)
+    mo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    mo.add_argument("--out", type=Path, help="output directory (default reports/bench)")
+    mo.add_argument("--tag", default="")
+    mo.add_argument("--quiet", action="store_true")
     v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
                        description="Recomputes the csrc and package digests of the newest commits from git and "
                                    "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
@@ -97,10 +120,37 @@ def provenance_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_main(args: argparse.Namespace) -> int:
+    from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, write_outputs
+
+    cfg = ModelBenchConfig(
+        checkpoint=args.checkpoint, dense_checkpoint=args.dense_checkpoint, label=args.label, device=args.device,
+        sparse_path=args.sparse_path, prefill_batches=tuple(args.prefill_batch), seq_len=args.seq,
+        decode_batches=tuple(args.decode_batch), prompt_len=args.prompt, new_tokens=args.new_tokens,
+        train_batch=args.train_batch, train_steps=args.train_steps, reps=args.reps, energy=not args.no_energy,
+        energy_seconds=args.energy_seconds, tokens=args.tokens)
+    try:
+        res = run_model_bench(cfg, progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.out is None:
+        from twell.paths import reports_dir
+
+        out_dir = reports_dir("bench")
+    else:
+        out_dir = args.out
+    jpath, mpath = write_outputs(res, out_dir, args.tag)
+    print(markdown_report(res))
+    print(f"wrote {jpath}\nwrote {mpath}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "provenance":
         return provenance_main(args)
+    if args.command == "model":
+        return model_main(args)
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     cfg = BenchConfig(

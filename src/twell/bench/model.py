@@ -1,0 +1,343 @@
+"""``python -m twell.bench model``: a whole model, dense against sparse, as the paper's main table.
+
+For a trained sparse checkpoint (a directory or a hub id) this measures, in one process and
+alternating where it times (shared/BENCHMARK.md):
+
+- **prefill**: tokens/ms of a forward over ``batch x seq`` tokens, per prefill batch;
+- **decode**: tokens/s of greedy ``generate`` with a KV cache after a prompt (the prompt's own
+  forward taken out: the time of ``max_new_tokens=1`` is subtracted), per decode batch;
+- **energy**: J per token from NVML's total-energy counter around loops of the prefill calls;
+- **memory**: peak GPU memory above the loaded model during each measurement;
+- **training**: tokens/s and peak memory of optimizer steps (forward, backward with the L1 term,
+  AdamW), the sparse run on the sparse training kernels (``twell.nn.sparse_training``, layers
+  routed by their measured activity) against the dense path.
+
+The dense side is the dense twin when ``dense_checkpoint`` is given (the paper's comparison: a model
+trained without L1 on the dense path), else the same checkpoint on the dense path. Every result
+records the model's active neurons per token per layer and its cross-entropy on the measured tokens
+(real text when ``tokens`` names a prepared data directory or a ``.npy`` of ids; random ids otherwise,
+which say nothing about activity and are labelled so), the device and the code. On a CPU the same
+code runs (for a smoke test): its numbers are not GPU numbers, and the result says so.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as _dt
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from twell.bench.memory import peak_memory_above_baseline
+from twell.bench.timing import time_alternating
+
+# What the paper reports for its four scales (8x H100 PCIe, sequence 2048, L1 2e-5), sparse against
+# dense. Per scale where the text gives it; the ranges span its scales.
+PAPER = {
+    "inference": {"0.5B": 0.17, "2B": 0.205},
+    "inference_range": (0.17, 0.205),
+    "training_range": (-0.015, 0.219),
+    "energy_range": (-0.17, -0.12),
+    "setting": "8x H100 PCIe, sequence 2048, FineWeb-Edu models, L1 2e-5",
+}
+
+
+@dataclasses.dataclass
+class ModelBenchConfig:
+    checkpoint: str
+    dense_checkpoint: Optional[str] = None
+    label: Optional[str] = None                  # e.g. "0.5B"; default: the checkpoint's name
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    sparse_path: str = "auto"                    # SparseFFN inference path of the sparse side
+    prefill_batches: tuple[int, ...] = (8, 32)
+    seq_len: Optional[int] = None                # default: min(2048, the model's context)
+    decode_batches: tuple[int, ...] = (1, 32)
+    prompt_len: int = 512
+    new_tokens: int = 256
+    train_batch: int = 8                         # sequences per training step (0: no training rows)
+    train_steps: int = 5                         # timed steps per side (after 2 untimed)
+    l1_coef: float = 2e-5
+    reps: int = 10
+    warmup: int = 2
+    energy: bool = True
+    energy_seconds: float = 2.0
+    tokens: Optional[str] = None                 # prepared data dir or .npy of token ids (default: random ids)
+    tokens_split: str = "val"
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("prefill_batches", "decode_batches"):
+            v = getattr(self, name)
+            if any((not isinstance(b, int)) or b < 1 for b in v):
+                raise ValueError(f"{name} must be positive integers, got {v}")
+        for name in ("prompt_len", "reps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (decode speed is measured past the first), got {self.new_tokens}")
+        if self.train_batch < 0 or self.train_steps < 1 or self.warmup < 0:
+            raise ValueError("train_batch must be >= 0, train_steps >= 1 and warmup >= 0")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _load(path: str, ffn_path: str, device: torch.device):
+    from twell.model import load_pretrained
+
+    model, _ = load_pretrained(path, ffn_path=ffn_path, device=device, dtype=torch.bfloat16, load_tokenizer=False)
+    model.eval()
+    return model
+
+
+def _token_ids(cfg: ModelBenchConfig, count: int, vocab: int) -> tuple[torch.Tensor, dict]:
+    """``count`` token ids: real text from cfg.tokens, else uniform random ids (labelled)."""
+    if cfg.tokens:
+        from twell.bench.captured import read_tokens
+
+        ids, where = read_tokens(cfg.tokens, count, cfg.tokens_split)
+        ids = torch.from_numpy(np.asarray(ids[:count], dtype=np.int64))
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"token id {int(ids.max())} of {cfg.tokens} is outside the model's vocabulary ({vocab})")
+        return ids, {**where, "kind": "text"}
+    g = torch.Generator().manual_seed(cfg.seed)
+    return torch.randint(0, vocab, (count,), generator=g), {
+        "kind": "random ids", "note": "uniform random token ids: activity and CE are not those of text"}
+
+
+@torch.inference_mode()
+def model_activity(model, ids: torch.Tensor) -> dict:
+    """Active FFN neurons per token per layer and the mean cross-entropy of next-token prediction on
+    ``ids`` [B, T] (the model's dense path records the statistics; its paths are restored)."""
+    from twell.model import set_tracking, sparse_ffns
+
+    ffns = sparse_ffns(model)
+    set_tracking(model, True)
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+        active = [float(f.stats.active_per_token.float().mean()) for f in ffns]
+    finally:
+        set_tracking(model, False)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                           ids[:, 1:].reshape(-1))
+    H = ffns[0].intermediate_size if ffns else 0
+    return {"active_per_layer": active, "active_mean": float(np.mean(active)) if active else None,
+            "active_frac": float(np.mean(active)) / H if active else None, "intermediate_size": H, "ce": float(ce)}
+
+
+def _energy(fn: Callable[[], object], device: torch.device, seconds: float, tokens: int) -> Optional[float]:
+    from twell.bench.energy import EnergyMeter, EnergyUnavailable
+
+    try:
+        meter = EnergyMeter(device)
+    except EnergyUnavailable:
+        return None
+    return meter.measure(fn, seconds).per_token(tokens)
+
+
+def _generate(model, prompt: torch.Tensor, new: int, pad: int) -> torch.Tensor:
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median seconds of ``reps`` synchronized calls (generate is host-driven: wall time)."""
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
+                 device: torch.device) -> dict:
+    """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched)."""
+    from twell.model import set_tracking, sparse_ffns
+    from twell.nn.sparse_training import SparseTraining, use_sparse_training
+    from twell.train.recipe import sparse_lm_loss
+
+    m = copy.deepcopy(model).train()
+    for p in m.parameters():
+        p.requires_grad_(True)
+    set_tracking(m, True)
+    ffns = sparse_ffns(m)
+    routes = None
+    if sparse:
+        backend = use_sparse_training(m, SparseTraining())
+        with torch.no_grad():  # the routes from the activity on these tokens
+            m(input_ids=ids, use_cache=False)
+        backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
+        routes = [backend.route(f) for f in ffns]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        logits = m(input_ids=ids[:, :-1], use_cache=False).logits
+        parts = sparse_lm_loss(logits, ids[:, 1:], ffns, coef)
+        parts.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for f in ffns:
+            f.stats = None
+
+    for _ in range(warmup):
+        step()
+    peak = peak_memory_above_baseline(step, device)
+    secs = _timed(step, device, steps)
+    notes = sorted({getattr(f, "train_note", "") for f in ffns} - {""})
+    del m, opt
+    tokens = ids.shape[0] * (ids.shape[1] - 1)
+    return {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,
+            "notes": notes}
+
+
+def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
+    """All measurements of one checkpoint; a JSON-ready dict (``rows``: one per measure and batch)."""
+    from twell.bench.provenance import provenance
+    from twell.progress import progress_bar
+
+    cfg.check()
+    device = torch.device(cfg.device)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    sparse = _load(cfg.checkpoint, cfg.sparse_path, device)
+    dense = _load(cfg.dense_checkpoint or cfg.checkpoint, "dense", device)
+    mc = sparse.config
+    seq = cfg.seq_len or min(2048, int(mc.max_position_embeddings))
+    n_tok = max(max(cfg.prefill_batches) * seq, max(cfg.decode_batches) * cfg.prompt_len,
+                cfg.train_batch * (seq + 1))
+    ids, source = _token_ids(cfg, n_tok, int(mc.vocab_size))
+    pad = int(mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id if isinstance(mc.eos_token_id, int)
+                                                                   else 0))
+    models = {"dense": dense, "sparse": sparse}
+    rows: list[dict] = []
+    steps = (len(cfg.prefill_batches) + len(cfg.decode_batches) + (1 if cfg.train_batch else 0))
+    bar = progress_bar(total=steps, desc="model bench", progress=progress)
+
+    # activity and CE on the first prefill batch (both models: the dense twin's are its own)
+    probe = ids[: min(cfg.prefill_batches) * seq].view(-1, seq).to(device)
+    activity = {side: model_activity(m, probe) for side, m in models.items()}
+
+    for b in cfg.prefill_batches:
+        x = ids[: b * seq].view(b, seq).to(device)
+        calls = {side: (lambda m=m: m(input_ids=x, use_cache=False)) for side, m in models.items()}
+        with torch.inference_mode():
+            t = time_alternating(calls, device, cfg.reps, cfg.warmup, flush_l2=False)
+            row = {"measure": "prefill", "batch": b, "seq": seq, "tokens": b * seq}
+            for side in models:
+                r = {"ms": t[side].median_ms, "tokens_per_ms": b * seq / t[side].median_ms,
+                     "peak_bytes": peak_memory_above_baseline(calls[side], device)}
+                if cfg.energy:
+                    r["joules_per_token"] = _energy(calls[side], device, cfg.energy_seconds, b * seq)
+                row[side] = r
+        row["speedup"] = row["sparse"]["tokens_per_ms"] / row["dense"]["tokens_per_ms"]
+        rows.append(row)
+        bar.update(1)
+
+    for b in cfg.decode_batches:
+        prompt = ids[: b * cfg.prompt_len].view(b, cfg.prompt_len).to(device)
+        row = {"measure": "decode", "batch": b, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+        with torch.inference_mode():
+            for side, m in models.items():
+                _generate(m, prompt, 2, pad)  # warm-up (and the sparse layers' first-call measurement)
+            for side, m in models.items():
+                full = _timed(lambda: _generate(m, prompt, cfg.new_tokens, pad), device, max(1, cfg.reps // 3))
+                first = _timed(lambda: _generate(m, prompt, 1, pad), device, max(1, cfg.reps // 3))
+                decode_s = max(full - first, 1e-9)
+                row[side] = {"seconds": full, "prompt_seconds": first,
+                             "tokens_per_s": b * (cfg.new_tokens - 1) / decode_s,
+                             "peak_bytes": peak_memory_above_baseline(
+                                 lambda: _generate(m, prompt, cfg.new_tokens, pad), device)}
+        row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+        rows.append(row)
+        bar.update(1)
+
+    if cfg.train_batch:
+        x = ids[: cfg.train_batch * (seq + 1)].view(cfg.train_batch, seq + 1).to(device)
+        row = {"measure": "training", "batch": cfg.train_batch, "seq": seq, "tokens": cfg.train_batch * seq}
+        for side, m in models.items():
+            row[side] = _train_steps(m, x, cfg.train_steps, cfg.warmup, cfg.l1_coef, side == "sparse", device)
+        row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+        rows.append(row)
+        bar.update(1)
+    bar.close()
+
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "meta": {"started": started, "device": device.type, "device_name": dev_name, "torch": torch.__version__,
+                 "code": provenance(), "config": dataclasses.asdict(cfg),
+                 "note": None if device.type == "cuda" else "CPU run: a smoke test of the code, not GPU numbers",
+                 "clock": "cuda-events (prefill), wall time (decode, training)" if device.type == "cuda"
+                 else "perf_counter / wall time on a CPU"},
+        "model": {"label": cfg.label or Path(str(cfg.checkpoint).rstrip("/")).name, "checkpoint": str(cfg.checkpoint),
+                  "dense_checkpoint": cfg.dense_checkpoint, "layers": int(mc.num_hidden_layers),
+                  "hidden": int(mc.hidden_size), "intermediate": int(mc.intermediate_size),
+                  "trained": getattr(mc, "twell_tokenizer", None), "activity": activity, "tokens": source},
+        "paper": PAPER,
+        "rows": rows,
+    }
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def markdown_report(res: dict) -> str:
+    m, meta = res["model"], res["meta"]
+    act = m["activity"]
+    lines = [f"# Model benchmark: {m['label']} ({m['layers']} layers, D {m['hidden']}, H {m['intermediate']})", "",
+             f"{meta['device_name']} ({meta['device']}), torch {meta['torch']}, started {meta['started']}; "
+             f"checkpoint `{m['checkpoint']}`" + (f", dense twin `{m['dense_checkpoint']}`" if m["dense_checkpoint"]
+                                                 else " (dense side: the same weights on the dense path)"), ""]
+    if meta.get("note"):
+        lines += [f"**{meta['note']}**", ""]
+    lines += [f"Tokens: {m['tokens']['kind']}" + (f" ({m['tokens'].get('label', m['tokens'].get('tokens', ''))})"
+                                                 if m['tokens']['kind'] == 'text' else f" ({m['tokens']['note']})"),
+              "", "| side | active neurons per token (mean over layers) | % of H | CE on these tokens |",
+              "|---|---|---|---|"]
+    for side in ("dense", "sparse"):
+        a = act[side]
+        lines.append(f"| {side} | {_fmt(a['active_mean'], '.1f')} | {_fmt(100 * (a['active_frac'] or 0), '.2f')} "
+                     f"| {_fmt(a['ce'], '.4f')} |")
+    lines += ["", "| measure | batch | dense | sparse | sparse / dense | dense peak MB | sparse peak MB "
+                  "| dense J/token | sparse J/token |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        unit = {"prefill": ("tokens_per_ms", "tok/ms"), "decode": ("tokens_per_s", "tok/s"),
+                "training": ("tokens_per_s", "tok/s")}[r["measure"]]
+        d, s = r["dense"], r["sparse"]
+        mb = lambda v: _fmt(None if v is None else v / 2**20, ".0f")  # noqa: E731
+        lines.append(f"| {r['measure']} | {r['batch']} | {_fmt(d[unit[0]], '.1f')} {unit[1]} | "
+                     f"{_fmt(s[unit[0]], '.1f')} {unit[1]} | {_fmt(r['speedup'], '.3f')}x | {mb(d.get('peak_bytes'))} "
+                     f"| {mb(s.get('peak_bytes'))} | {_fmt(d.get('joules_per_token'), '.3g')} "
+                     f"| {_fmt(s.get('joules_per_token'), '.3g')} |")
+    tr = [r for r in res["rows"] if r["measure"] == "training"]
+    if tr and tr[0]["sparse"].get("routes"):
+        lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
+        if tr[0]["sparse"].get("notes"):
+            lines.append(f"Layers left dense by the backend: {'; '.join(tr[0]['sparse']['notes'])}")
+    code = meta.get("code") or {}
+    lines += ["", f"Code: commit {code.get('commit') or '-'} (matches: {code.get('matches_commit')})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(res: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = res["meta"]["started"].replace("-", "").replace(":", "").split("+")[0]
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{res['model']['label']}-{res['meta']['device_name']}")
+    base = out_dir / f"model-{slug}-{stamp}{'-' + tag if tag else ''}"
+    jp, mp = base.with_suffix(".json"), base.with_suffix(".md")
+    jp.write_text(json.dumps(res, indent=1))
+    mp.write_text(markdown_report(res))
+    return jp, mp

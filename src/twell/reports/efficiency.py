@@ -1,0 +1,151 @@
+"""Notebook 04's steps: run ``twell.bench.model`` per scale, read its results, and lay them out as the
+paper's main table (dense against sparse per scale: inference throughput, energy per token, peak
+memory, training throughput), with the paper's own numbers in separate, labelled columns, and the
+three figures (speed-up per scale, energy per token, memory)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+from twell.bench.model import PAPER, ModelBenchConfig, run_model_bench, write_outputs
+from twell.paths import repo_root
+
+
+def _path(p: str | Path) -> str:
+    """Checkpoint paths relative to the repository root (as the pipeline profiles give them); hub ids
+    (no such local path, a single slash) pass through."""
+    path = Path(p).expanduser()
+    if path.is_absolute():
+        return str(path)
+    local = repo_root() / path
+    return str(local) if local.exists() or len(path.parts) != 2 else str(p)
+
+
+def run_scales(models: Mapping[str, Mapping[str, str]], out_dir: str | Path, *, progress: bool = True,
+               **bench) -> list[Path]:
+    """Run the model benchmark for every scale: ``models`` maps a label (``"0.5B"``) to
+    ``{"sparse": checkpoint, "dense": checkpoint or None}``; ``bench`` holds ModelBenchConfig fields.
+    Writes ``<out_dir>/model-*.json/.md`` per scale and returns the JSON paths."""
+    paths = []
+    for label, ck in models.items():
+        if "sparse" not in ck:
+            raise ValueError(f"scale {label!r}: expected {{'sparse': checkpoint, 'dense': checkpoint}}, got {dict(ck)}")
+        sparse = _path(ck["sparse"])
+        if not Path(sparse).exists() and Path(ck["sparse"]).parts[0] in ("runs", "reports"):
+            raise FileNotFoundError(f"scale {label!r}: no checkpoint at {sparse}; train it first (notebook 02 "
+                                    "leaves runs/notebook02/<config>/final, python -m twell.train runs/<name>/final)")
+        cfg = ModelBenchConfig(checkpoint=sparse, dense_checkpoint=_path(ck["dense"]) if ck.get("dense") else None,
+                               label=label, **bench)
+        res = run_model_bench(cfg, progress=progress)
+        paths.append(write_outputs(res, Path(out_dir))[0])
+    return paths
+
+
+def load_results(paths: Iterable[str | Path]) -> list[dict]:
+    out = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_absolute():
+            path = repo_root() / path
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def _row(res: dict, measure: str, batch: Optional[int] = None) -> Optional[dict]:
+    rows = [r for r in res["rows"] if r["measure"] == measure and (batch is None or r["batch"] == batch)]
+    return rows[0] if rows else None
+
+
+def _gain(r: Optional[dict]) -> Optional[float]:
+    return None if r is None else r["speedup"] - 1.0
+
+
+def efficiency_table(results: list[dict]):
+    """One row per scale: our measurements (dense, sparse, change) and the paper's in its own columns."""
+    import pandas as pd
+
+    rows = []
+    for res in results:
+        m, meta = res["model"], res["meta"]
+        pre = [r for r in res["rows"] if r["measure"] == "prefill"]
+        big = max(pre, key=lambda r: r["batch"]) if pre else None
+        dec1 = min((r for r in res["rows"] if r["measure"] == "decode"), key=lambda r: r["batch"], default=None)
+        tr = _row(res, "training")
+        e_d = big["dense"].get("joules_per_token") if big else None
+        e_s = big["sparse"].get("joules_per_token") if big else None
+        mb = lambda v: None if v is None else v / 2**20  # noqa: E731
+        rows.append({
+            "scale": m["label"], "layers": m["layers"], "device": meta["device_name"],
+            "active % (sparse)": None if m["activity"]["sparse"]["active_frac"] is None
+            else 100 * m["activity"]["sparse"]["active_frac"],
+            "CE dense": m["activity"]["dense"]["ce"], "CE sparse": m["activity"]["sparse"]["ce"],
+            "tokens": m["tokens"]["kind"],
+            "prefill batch": big["batch"] if big else None,
+            "prefill tok/ms dense": big["dense"]["tokens_per_ms"] if big else None,
+            "prefill tok/ms sparse": big["sparse"]["tokens_per_ms"] if big else None,
+            "prefill gain %": None if big is None else 100 * _gain(big),
+            "decode (batch {}) gain %".format(dec1["batch"] if dec1 else "-"): None if dec1 is None else 100 * _gain(dec1),
+            "energy J/token dense": e_d, "energy J/token sparse": e_s,
+            "energy change %": None if not (e_d and e_s) else 100 * (e_s / e_d - 1),
+            "peak MB dense": mb(big["dense"].get("peak_bytes")) if big else None,
+            "peak MB sparse": mb(big["sparse"].get("peak_bytes")) if big else None,
+            "training tok/s dense": tr["dense"]["tokens_per_s"] if tr else None,
+            "training tok/s sparse": tr["sparse"]["tokens_per_s"] if tr else None,
+            "training gain %": None if tr is None else 100 * _gain(tr),
+            "paper: inference gain %": (None if m["label"] not in PAPER["inference"]
+                                        else 100 * PAPER["inference"][m["label"]]),
+            "paper: training gain % (range over scales)": "{:+.1f} to {:+.1f}".format(
+                *(100 * v for v in PAPER["training_range"])),
+            "paper: energy change % (range over scales)": "{:+.0f} to {:+.0f}".format(
+                *(100 * v for v in PAPER["energy_range"])),
+            "note": meta.get("note") or "",
+        })
+    return pd.DataFrame(rows)
+
+
+def figures(results: list[dict], title: Optional[str] = None) -> dict:
+    """``speedup`` (sparse / dense per scale and measure), ``energy`` (J per token) and ``memory``
+    (peak MB) figures."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [r["model"]["label"] for r in results]
+    x = np.arange(len(labels))
+    measures = []
+    for res in results:
+        for r in res["rows"]:
+            key = (r["measure"], r["batch"])
+            if key not in measures:
+                measures.append(key)
+    figs = {}
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(labels) + 3), 3.6))
+    w = 0.8 / max(1, len(measures))
+    for i, (meas, b) in enumerate(measures):
+        vals = [(_row(res, meas, b) or {}).get("speedup", np.nan) for res in results]
+        ax.bar(x + (i - (len(measures) - 1) / 2) * w, vals, w, label=f"{meas} (batch {b})")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(xticks=x, xticklabels=labels, ylabel="sparse / dense throughput", title="speed-up per scale")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    figs["speedup"] = fig
+    for key, field, unit, name in (("energy", "joules_per_token", 1e3, "mJ per token (prefill)"),
+                                   ("memory", "peak_bytes", 1 / 2**20, "peak MB above the model (prefill)")):
+        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels) + 3), 3.4))
+        for j, side in enumerate(("dense", "sparse")):
+            vals = []
+            for res in results:
+                pre = [r for r in res["rows"] if r["measure"] == "prefill"]
+                big = max(pre, key=lambda r: r["batch"]) if pre else None
+                v = big[side].get(field) if big else None
+                vals.append(np.nan if v is None else v * unit)
+            ax.bar(x + (j - 0.5) * 0.4, vals, 0.4, label=side)
+        ax.set(xticks=x, xticklabels=labels, ylabel=name, title=name)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+        figs[key] = fig
+    for fig in figs.values():
+        if title:
+            fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+    return figs

@@ -1,0 +1,86 @@
+"""``python -m twell.bench model`` and notebook 04's table on CPU: the same code as on a GPU, at tiny sizes."""
+from __future__ import annotations
+
+import json
+
+import matplotlib
+import pytest
+import torch
+
+from twell.bench.__main__ import main as bench_main
+from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, write_outputs
+from twell.model import ModelConfig, build_model, save_pretrained
+from twell.reports import efficiency
+
+matplotlib.use("Agg")
+
+SMALL = dict(device="cpu", prefill_batches=(2,), seq_len=16, decode_batches=(1, 2), prompt_len=8, new_tokens=4,
+             train_batch=2, train_steps=1, reps=2, warmup=1, energy=False)
+
+
+def _checkpoint(path, seed):
+    torch.manual_seed(seed)
+    mc = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                     max_position_embeddings=64)
+    save_pretrained(build_model(mc), None, path, dtype=torch.bfloat16)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    return _checkpoint(d / "sparse", 0), _checkpoint(d / "dense", 1)
+
+
+def test_rows_cover_every_measure_and_say_cpu(pair, tmp_path):
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], label="t", **SMALL),
+                          progress=False)
+    kinds = [(r["measure"], r["batch"]) for r in res["rows"]]
+    assert kinds == [("prefill", 2), ("decode", 1), ("decode", 2), ("training", 2)]
+    for r in res["rows"]:
+        key = "tokens_per_ms" if r["measure"] == "prefill" else "tokens_per_s"
+        assert r["dense"][key] > 0 and r["sparse"][key] > 0
+        assert r["speedup"] == pytest.approx(r["sparse"][key] / r["dense"][key])
+    act = res["model"]["activity"]
+    assert len(act["sparse"]["active_per_layer"]) == 2 and 0 < act["sparse"]["active_frac"] <= 1
+    assert act["dense"]["ce"] != act["sparse"]["ce"]  # two different models
+    assert "not GPU numbers" in res["meta"]["note"] and res["model"]["tokens"]["kind"] == "random ids"
+    tr = res["rows"][-1]["sparse"]
+    assert tr["routes"] == ["dense", "dense"] and any("cpu" in n for n in tr["notes"])
+    jp, mp = write_outputs(res, tmp_path)
+    assert json.loads(jp.read_text())["model"]["label"] == "t"
+    assert "not GPU numbers" in mp.read_text() and mp.read_text() == markdown_report(res)
+
+
+def test_dense_side_defaults_to_the_dense_path(pair):
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], **{**SMALL, "train_batch": 0, "decode_batches": (1,)}),
+                          progress=False)
+    act = res["model"]["activity"]
+    assert act["dense"]["ce"] == act["sparse"]["ce"]  # the same weights
+    assert [r["measure"] for r in res["rows"]] == ["prefill", "decode"]
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="new_tokens"):
+        ModelBenchConfig(checkpoint="x", new_tokens=1).check()
+    with pytest.raises(ValueError, match="prefill_batches"):
+        ModelBenchConfig(checkpoint="x", prefill_batches=(0,)).check()
+
+
+def test_cli_and_table(pair, tmp_path, capsys):
+    code = bench_main(["model", pair[0], "--dense-checkpoint", pair[1], "--label", "0.5B", "--device", "cpu",
+                       "--prefill-batch", "2", "--seq", "16", "--decode-batch", "1", "--prompt", "8",
+                       "--new-tokens", "3", "--train-batch", "0", "--reps", "2", "--no-energy", "--out",
+                       str(tmp_path), "--quiet"])
+    assert code == 0 and "not GPU numbers" in capsys.readouterr().out
+    results = efficiency.load_results(sorted(tmp_path.glob("model-*.json")))
+    table = efficiency.efficiency_table(results)
+    assert table["scale"].tolist() == ["0.5B"]
+    assert table["paper: inference gain %"][0] == pytest.approx(17.0)  # the paper's 0.5B number, its own column
+    assert table["prefill gain %"][0] == pytest.approx(100 * (results[0]["rows"][0]["speedup"] - 1))
+    assert set(efficiency.figures(results)) == {"speedup", "energy", "memory"}
+
+
+def test_missing_checkpoint_names_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train it first"):
+        efficiency.run_scales({"x": {"sparse": "runs/nowhere/final"}}, tmp_path, **SMALL)
