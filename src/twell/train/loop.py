@@ -535,7 +535,7 @@ class Trainer:
             "stop_reason": self.stop_reason,
             "epochs": self.order.epochs(self.step * self.cfg.train.global_batch),
             "l1_coef": self.cfg.sparsity.l1_coef,
-            "data": {"label": self.data.label, "source": self.data.meta["source"]["spec"],
+            "data": {"label": self.data.label, "source": self.data.meta["source"]["spec"], "prepared_dir": str(self.data.dir),
                      "n_train_tokens": self.data.meta["n_train_tokens"], "n_val_tokens": self.data.meta["n_val_tokens"],
                      "n_train_docs": self.data.meta["n_train_docs"], "n_val_docs": self.data.meta["n_val_docs"],
                      "tokenizer": self.data.tokenizer_choice},

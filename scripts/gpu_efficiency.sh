@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Notebook 04's GPU rows in one warm sequence: for each scale, train the sparse config for a wall-clock
+# budget on the offline corpus, its dense twin for the same number of steps, then run
+# `python -m twell.bench model` on the pair. Checkpoints of these sizes cannot leave the GPU machine:
+# only the benchmark JSON/MD and the runs' metrics and summaries land in $OUT (flat, few files).
+#
+#   SCALES="0p5b"          configs to train (their dense twins: <scale>_dense)
+#   NPROC=4                GPUs per run (torchrun; 1: a plain process)
+#   TRAIN_S=420            wall-clock seconds of the sparse run (the twin runs the steps it reached)
+#   DATA=shared:corpus/python311_docs.jsonl   corpus (TWELL_SHARED_DATA, or a carried .devdata/)
+#   EXTRA="--set ..."      more overrides for both runs; BENCH_ARGS: more for the model benchmark
+#   DEVICE=cuda            cpu for a smoke test of this script
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+[ -d .devdata ] && export TWELL_SHARED_DATA=${TWELL_SHARED_DATA:-$PWD/.devdata}
+OUT=${OUT:-$PWD/runs/gpu_out}
+mkdir -p "$OUT"
+NPROC=${NPROC:-4}
+DEVICE=${DEVICE:-cuda}
+DATA=${DATA:-shared:corpus/python311_docs.jsonl}
+COMMON=(--data "$DATA" --overwrite --set train.device="$DEVICE" --set data.val_fraction=0.02
+        --set data.allow_network=false --set train.export_dtype=bf16 --set train.ckpt_every=100000
+        --set train.progress=false ${EXTRA:-})
+launch() {
+    if [ "$NPROC" -gt 1 ]; then torchrun --standalone --nproc_per_node "$NPROC" -m twell.train "$@"
+    else python3 -m twell.train "$@"; fi
+}
+steps_done() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['steps_done'])" "$1"; }
+for scale in ${SCALES:-0p5b}; do
+    launch --config "$scale" --out "runs/eff_$scale" --set train.max_wall_seconds="${TRAIN_S:-420}" "${COMMON[@]}" \
+        > "$OUT/train_$scale.log" 2>&1
+    steps=$(steps_done "runs/eff_$scale/summary.json")
+    launch --config "${scale}_dense" --out "runs/eff_${scale}_dense" --set train.steps="$steps" "${COMMON[@]}" \
+        > "$OUT/train_${scale}_dense.log" 2>&1
+    for run in "$scale" "${scale}_dense"; do
+        cp "runs/eff_$run/summary.json" "$OUT/summary_$run.json"
+        cp "runs/eff_$run/metrics.jsonl" "$OUT/metrics_$run.jsonl"
+    done
+    prepared=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['data']['prepared_dir'])" \
+        "runs/eff_$scale/summary.json" 2>/dev/null || true)
+    python3 -m twell.bench model "runs/eff_$scale/final" --dense-checkpoint "runs/eff_${scale}_dense/final" \
+        --label "$scale ($steps steps)" --device "$DEVICE" ${prepared:+--tokens "$prepared"} --out "$OUT" \
+        --quiet ${BENCH_ARGS:-} > "$OUT/bench_$scale.log" 2>&1
+    tail -n 25 "$OUT/bench_$scale.log"
+done
