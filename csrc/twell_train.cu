@@ -167,6 +167,23 @@ __device__ __forceinline__ void block_sums(float* part, float (*scratch)[kStages
   __syncthreads();
 }
 
+// The block's dot products of v (this thread's 8 columns of a row of x or dy) with the rows of w of
+// the active neurons k0 .. k0 + kStages, staged with cp.async: red[s] holds them on return.
+__device__ __forceinline__ void batch_dots(const uint4& v, const __nv_bfloat16* __restrict__ w, const int* sidx,
+                                           int k0, int n, int D, int col, bool has, uint4* ring,
+                                           float (*scratch)[kStages], float* red) {
+  const int t = threadIdx.x;
+#pragma unroll
+  for (int s = 0; s < kStages; ++s)
+    if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w + size_t(sidx[k0 + s]) * D + col);
+  cp_async_commit();
+  cp_async_wait_all();
+  float part[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(v, ring[s * kRowThreads + t]) : 0.f;
+  block_sums(part, scratch, red);
+}
+
 __global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ idx, const __nv_bfloat16* __restrict__ val,
     const int* __restrict__ nnz, const __nv_bfloat16* __restrict__ w_up, const __nv_bfloat16* __restrict__ w_down_t,
@@ -194,15 +211,7 @@ __global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
   const uint4 xv = has ? ld_policy(x + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
   float l1 = 0.f;
   for (int k0 = 0; k0 < n; k0 += kStages) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s)
-      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_up + size_t(sidx[k0 + s]) * D + col);
-    cp_async_commit();
-    cp_async_wait_all();
-    float part[kStages];
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(xv, ring[s * kRowThreads + t]) : 0.f;
-    block_sums(part, scratch, red);
+    batch_dots(xv, w_up, sidx, k0, n, D, col, has, ring, scratch, red);
     if (t < kStages && k0 + t < n) {
       const int k = k0 + t;
       // dense bf16 rounds u (a GEMM output) and the product relu(g) * u
@@ -266,15 +275,7 @@ __global__ void __launch_bounds__(kRowThreads) rows_backward_kernel(
   const uint64_t stream = l2_stream();
   const uint4 dv = has ? ld_policy(dy + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
   for (int k0 = 0; k0 < n; k0 += kStages) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s)
-      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_down_t + size_t(sidx[k0 + s]) * D + col);
-    cp_async_commit();
-    cp_async_wait_all();
-    float part[kStages];
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(dv, ring[s * kRowThreads + t]) : 0.f;
-    block_sums(part, scratch, red);
+    batch_dots(dv, w_down_t, sidx, k0, n, D, col, has, ring, scratch, red);
     if (t < kStages && k0 + t < n) {
       const int k = k0 + t;
       const float h = __bfloat162float(h_in[r0 + k]);
