@@ -157,3 +157,15 @@ def test_markdown_flags_scores_over_different_documents(runs):
     rows = [l for l in md.splitlines() if l.startswith("| winogrande")]
     assert rows and all(f"different n: dense {d}, sparse {sp}" in l and f"| {d} / {sp} |" in l for l in rows)
     assert not any("different n" in l for l in md.splitlines() if l.startswith("| commonsense_qa"))
+
+
+def test_chance_level_beside_each_score(runs):
+    table = comparison_table(runs)
+    ok = table[table.status == "ok"].set_index(["block", "task"])
+    assert ok.loc[("acc", "commonsense_qa"), "chance"] == pytest.approx(0.2)
+    assert ok.loc[("acc", "winogrande"), "chance"] == pytest.approx(0.5)
+    assert ok.loc[("acc", "arc_easy"), "chance"] == pytest.approx(0.25)
+    mean = table[(table.status == "mean") & (table.block == "acc")].iloc[0]
+    assert mean.chance == pytest.approx((0.25 * 3 + 0.5 + 0.2) / 5)
+    md = to_markdown(table, runs)
+    assert "| task | metric | n | chance |" in md and "| 20.0 |" in md

@@ -17,7 +17,7 @@ from typing import Mapping
 import pandas as pd
 
 from twell.eval.harness import METRICS, EvalRun
-from twell.eval.tasks import TASK_SPECS
+from twell.eval.tasks import TASK_SPECS, chance
 
 HEADLINE = "headline"  # acc_norm where the task defines it, else acc (TaskSpec.headline)
 
@@ -44,7 +44,9 @@ def comparison_table(runs: Mapping[str, EvalRun], *, baseline: str = "dense", ot
                      blocks: tuple[str, ...] = (HEADLINE, *METRICS)) -> pd.DataFrame:
     """Long table in blocks (``headline``, ``acc``, ``acc_norm``): one row per task, then a mean row.
 
-    Columns: block, task, data (source of the task files: local, hub, fixture-data), metric, n, <baseline>, <baseline>_se, <other>, <other>_se, diff, diff_se,
+    Columns: block, task, data (source of the task files: local, hub, fixture-data), metric, n, chance (accuracy of
+    uniform guessing, 1 / answer options; None for tasks not known here), <baseline>, <baseline>_se, <other>,
+    <other>_se, diff, diff_se,
     diff_se_paired, status ("ok", "mean" or "skipped"), note. Values are fractions (0-1);
     ``diff = other - baseline``. ``diff_se_paired`` (NaN unless both runs logged samples of the same
     documents) is the standard error of the mean per-document difference, which uses the pairing.
@@ -78,7 +80,8 @@ def comparison_table(runs: Mapping[str, EvalRun], *, baseline: str = "dense", ot
             (bv, bs), (ov, os_) = [(r.metrics[metric]["value"], r.metrics[metric]["stderr"]) for r in (b_res, o_res)]
             note = "" if b_res.n == o_res.n else f"different n: {baseline} {b_res.n}, {other} {o_res.n}"
             data = b_res.source if b_res.source == o_res.source else f"{b_res.source}/{o_res.source}"
-            part.append({"block": block, "task": task, "data": data, "metric": metric, "n": b_res.n, baseline: bv,
+            part.append({"block": block, "task": task, "data": data, "metric": metric, "n": b_res.n,
+                         "chance": chance(task), baseline: bv,
                          f"{baseline}_se": bs, other: ov, f"{other}_se": os_, "diff": ov - bv,
                          "diff_se": math.hypot(bs, os_), "diff_se_paired": _paired_se(b_res, o_res, metric),
                          "status": "ok", "note": note})
@@ -91,11 +94,12 @@ def comparison_table(runs: Mapping[str, EvalRun], *, baseline: str = "dense", ot
         se = lambda col: math.sqrt(float((frame[col] ** 2).sum(skipna=False))) / k  # noqa: E731
         rows += part + [{"block": block, "task": f"mean ({k} tasks)", "data": ",".join(sorted(set(frame.data))),
                          "metric": block, "n": int(frame.n.sum()),
+                         "chance": frame["chance"].mean() if frame["chance"].notna().all() else None,
                          baseline: frame[baseline].mean(), f"{baseline}_se": se(f"{baseline}_se"),
                          other: frame[other].mean(), f"{other}_se": se(f"{other}_se"), "diff": frame["diff"].mean(),
                          "diff_se": se("diff_se"), "diff_se_paired": se("diff_se_paired"), "status": "mean",
                          "note": "tasks: " + ", ".join(frame.task)}]
-    columns = ["block", "task", "data", "metric", "n", baseline, f"{baseline}_se", other, f"{other}_se", "diff", "diff_se",
+    columns = ["block", "task", "data", "metric", "n", "chance", baseline, f"{baseline}_se", other, f"{other}_se", "diff", "diff_se",
                "diff_se_paired", "status", "note"]
     table = pd.DataFrame(rows + skipped, columns=columns)
     table["n"] = table["n"].astype("Int64")  # stays integer next to the skipped rows' missing n
@@ -125,18 +129,21 @@ def to_markdown(table: pd.DataFrame, runs: Mapping[str, EvalRun], *, baseline: s
     paired = bool(table.loc[table.status == "ok", "diff_se_paired"].notna().any())  # per-task rows, not the means
     for block, part in table[table.status != "skipped"].groupby("block", sort=False):
         lines += [f"### {titles.get(block, block)}", "",
-                  f"| task | metric | n | {baseline} | {other} | {other} − {baseline} |" + (" paired se |" if paired else ""),
-                  "|---|---|---:|---:|---:|---:|" + ("---:|" if paired else "")]
+                  f"| task | metric | n | chance | {baseline} | {other} | {other} − {baseline} |"
+                  + (" paired se |" if paired else ""),
+                  "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if paired else "")]
         for r in part.to_dict("records"):
             extra = "" if not paired else (" - |" if pd.isna(r["diff_se_paired"]) else f" {100 * r['diff_se_paired']:.1f} |")
             task = f"{r['task']} **[FIXTURE data]**" if "fixture" in str(r["data"]) else r["task"]
             n = int(r["n"])
             if str(r["note"]).startswith("different n"):  # the two scores are not over the same documents
                 task, n = f"{task} **[{r['note']}]**", f"{n} / {int(runs[other].tasks[r['task']].n)}"
-            lines.append(f"| {task} | {r['metric']} | {n} | {_pm(r[baseline], r[f'{baseline}_se'])} | "
+            ch = "-" if r["chance"] is None or pd.isna(r["chance"]) else f"{100 * r['chance']:.1f}"
+            lines.append(f"| {task} | {r['metric']} | {n} | {ch} | {_pm(r[baseline], r[f'{baseline}_se'])} | "
                          f"{_pm(r[other], r[f'{other}_se'])} | {_pm(r['diff'], r['diff_se'])} |" + extra)
         lines.append("")
-    lines += ["Accuracies in percent ± lm-eval's standard error. The difference's standard error is "
+    lines += ["Accuracies in percent ± lm-eval's standard error; chance: the accuracy of guessing uniformly "
+              "(1 / answer options; ARC has a few 3- and 5-option questions among its 4-option ones). The difference's standard error is "
               f"sqrt(se_{baseline}² + se_{other}²), treating the two scores as independent (they are paired on the "
               "same questions, so this is conservative when their errors correlate). Mean rows: unweighted mean over "
               "the tasks scored in both runs, standard error sqrt(Σ se²)/k (tasks treated as independent)."]
@@ -167,6 +174,9 @@ def plot_comparison(table: pd.DataFrame, path: str | Path, *, baseline: str = "d
     fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(part) + 1.5), 4.2))
     for offset, key in ((-0.2, baseline), (0.2, other)):
         ax.bar(x + offset, 100 * part[key], width=0.4, yerr=100 * part[f"{key}_se"], capsize=3, label=key)
+    ch = pd.to_numeric(part["chance"], errors="coerce").to_numpy(dtype=float)
+    if np.isfinite(ch).any():  # guessing's accuracy per task: a score near it says nothing of the model
+        ax.hlines(100 * ch, x - 0.45, x + 0.45, colors="k", linestyles=":", label="chance")
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title)

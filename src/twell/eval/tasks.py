@@ -61,6 +61,7 @@ class TaskSpec:
     fields: tuple[str, ...]  # top-level fields the built-in prompt templates read
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # original file names per split
     headline: str = "acc_norm"  # metric of the summary row: acc_norm where the task defines it, else acc
+    choices: int = 4  # answer options per question: chance accuracy is 1 / choices (ARC: most questions have 4)
 
 
 TASK_SPECS: dict[str, TaskSpec] = {
@@ -71,12 +72,21 @@ TASK_SPECS: dict[str, TaskSpec] = {
         TaskSpec("hellaswag", "hellaswag", ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
                  {"validation": ("hellaswag_val.jsonl",), "train": ("hellaswag_train.jsonl",)}),
         TaskSpec("openbookqa", "openbookqa", ("question_stem", "choices", "answerKey")),
-        TaskSpec("piqa", "piqa", ("goal", "sol1", "sol2", "label")),
-        TaskSpec("winogrande", "winogrande", ("sentence", "option1", "option2", "answer"), headline="acc"),
+        TaskSpec("piqa", "piqa", ("goal", "sol1", "sol2", "label"), choices=2),
+        TaskSpec("winogrande", "winogrande", ("sentence", "option1", "option2", "answer"), headline="acc",
+                 choices=2),
         TaskSpec("commonsense_qa", "commonsense_qa", ("question", "choices", "answerKey"),
-                 {"validation": ("dev_rand_split.jsonl",), "train": ("train_rand_split.jsonl",)}, headline="acc"),
+                 {"validation": ("dev_rand_split.jsonl",), "train": ("train_rand_split.jsonl",)}, headline="acc",
+                 choices=5),
     )
 }
+
+
+def chance(task: str) -> float | None:
+    """Accuracy of guessing uniformly on a task (1 / its answer options), or None for a task not known
+    here (a fixture's)."""
+    spec = TASK_SPECS.get(task)
+    return None if spec is None else 1.0 / spec.choices
 
 
 def task_spec(name: str) -> TaskSpec:
