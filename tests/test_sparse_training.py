@@ -134,3 +134,31 @@ def test_training_kernel_bench_table_and_figures(tmp_path):
     m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     fig = plots.plot_throughput({"run": m})
     assert len(fig.axes) == 3
+
+
+def test_l1_sweep_table_and_figure(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from twell.train import plots
+
+    def summ(coef, act, ce, dead):
+        return {"l1_coef": coef, "steps_done": 10, "final": {"active_frac_mean": act, "val_ce": ce,
+                                                             "dead_frac_per_layer": [dead, dead]}}
+
+    table = plots.l1_sweep_table({"a": summ(2e-5, 0.01, 4.1, 0.3), "d": summ(0.0, 0.4, 4.0, 0.0),
+                                  "b": summ(5e-6, 0.05, 4.02, 0.1)})
+    assert table["L1 coef"].tolist() == [0.0, 5e-6, 2e-5]  # sorted, the dense run first
+    assert table["val CE vs L1 0 (%)"].tolist() == pytest.approx([0.0, 0.5, 2.5])
+    assert table["active %"].tolist() == pytest.approx([40.0, 5.0, 1.0])
+    assert len(plots.plot_l1_sweep(table).axes) == 3
+
+
+def test_variant_overrides():
+    from twell.train import study
+
+    assert study.l1_sweep_variants([0, 2e-5]) == {"L1 0": ["sparsity.l1_coef=0.0"],
+                                                  "L1 2e-05": ["sparsity.l1_coef=2e-05"]}
+    v = study.reinit_variants(50)
+    assert v["re-init dead"] == ["sparsity.reinit_dead=true", "sparsity.reinit_every=50"]
+    assert v["no re-init"] == ["sparsity.reinit_dead=false"]

@@ -160,6 +160,53 @@ def plot_throughput(runs: Runs, smooth: int = 10, title: str | None = None):
     return _finish(fig, title)
 
 
+def l1_sweep_table(summaries: Mapping[str, "str | Path | dict"]):
+    """One row per run of an L1 sweep (``label -> summary.json``): coefficient, final active fraction, dead
+    fraction, validation CE and its change against the L1 = 0 run (``NaN`` without one)."""
+    import pandas as pd
+
+    rows = []
+    for label, summ in summaries.items():
+        if not isinstance(summ, dict):
+            summ = json.loads(Path(summ).read_text())
+        f = summ["final"]
+        rows.append({"run": label, "L1 coef": float(summ["l1_coef"]), "steps": summ["steps_done"],
+                     "active %": 100 * f["active_frac_mean"] if f.get("active_frac_mean") is not None else np.nan,
+                     "dead %": 100 * float(np.mean(f["dead_frac_per_layer"])) if f.get("dead_frac_per_layer") else np.nan,
+                     "val CE": f.get("val_ce", np.nan)})
+    table = pd.DataFrame(rows).sort_values("L1 coef").reset_index(drop=True)
+    dense = table[table["L1 coef"] == 0]
+    base = float(dense["val CE"].iloc[0]) if len(dense) else np.nan
+    table["val CE vs L1 0 (%)"] = 100 * (table["val CE"] / base - 1)
+    return table
+
+
+def plot_l1_sweep(table, title: str | None = None, claim: tuple[float, float] = (3e-5, 2.0)):
+    """The paper's sweep figure from :func:`l1_sweep_table`: active fraction, validation CE against the
+    L1 = 0 run, and dead fraction, each against the coefficient (L1 = 0 drawn at the left edge). The
+    paper's claim, CE within about ``claim[1]``% of dense up to ``claim[0]``, is drawn on the CE panel."""
+    import matplotlib.pyplot as plt
+
+    coefs = table["L1 coef"].to_numpy(float)
+    pos = coefs[coefs > 0]
+    zero_x = pos.min() / 3 if len(pos) else 1e-6  # where L1 = 0 sits on the log axis
+    x = np.where(coefs > 0, coefs, zero_x)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, col, name in ((axes[0], "active %", "active neurons (% of width)"),
+                          (axes[1], "val CE vs L1 0 (%)", "validation CE against L1 = 0 (%)"),
+                          (axes[2], "dead %", "dead neurons (% of width)")):
+        ax.plot(x, table[col], "o-")
+        ax.set(xscale="log", xlabel="L1 coefficient (leftmost point: 0)", ylabel=name, title=name)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].axhspan(-claim[1], claim[1], color="tab:green", alpha=0.12,
+                    label=f"paper: within ~{claim[1]:g}% of dense up to {claim[0]:g}")
+    if len(pos) and pos.min() <= claim[0] <= pos.max():  # the claim's range end, where the sweep covers it
+        axes[1].axvline(claim[0], color="tab:green", ls=":", lw=1)
+    axes[1].legend(fontsize=7)
+    return _finish(fig, title)
+
+
 def plot_kernel_bench(table, title: str | None = None):
     """Bars of :func:`twell.train.study.training_kernel_bench`'s table: speed-up of the training FFN
     over dense per case, and peak memory above inputs, dense against sparse."""

@@ -37,6 +37,34 @@ def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | N
     return results
 
 
+def train_variants(config: str, variants: Mapping[str, list[str]], *, steps: int | None = None,
+                   data_path: str | None = None, device: str = "auto", out_root: str | Path | None = None,
+                   extra: list[str] | None = None) -> dict[str, RunResult]:
+    """Train ``config`` once per variant (``label -> overrides``, e.g. ``{"L1 1e-5": ["sparsity.l1_coef=1e-5"]}``),
+    with the same steps, data and seed; runs go to ``<out_root>/<config>_<label slug>`` (default out_root:
+    runs/notebook02/), replacing what is there. The L1 sweep and the re-initialisation ablation of notebook
+    02 are two such sets."""
+    out_root = Path(out_root) if out_root is not None else NOTEBOOK_RUNS
+    common = [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
+    results: dict[str, RunResult] = {}
+    for label, overrides in variants.items():
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in label).strip("_")
+        results[label] = run(config, data=data_path, out=out_root / f"{config}_{slug}", overwrite=True,
+                             overrides=common + list(overrides))
+    return results
+
+
+def l1_sweep_variants(coefs) -> dict[str, list[str]]:
+    """Variants of :func:`train_variants` for an L1 sweep: one per coefficient (0: the dense twin)."""
+    return {f"L1 {float(c):g}": [f"sparsity.l1_coef={float(c)!r}"] for c in coefs}
+
+
+def reinit_variants(every: int | None = None) -> dict[str, list[str]]:
+    """The re-initialisation ablation: the same recipe with and without re-drawing dead gate rows."""
+    on = ["sparsity.reinit_dead=true"] + ([f"sparsity.reinit_every={int(every)}"] if every else [])
+    return {"no re-init": ["sparsity.reinit_dead=false"], "re-init dead": on}
+
+
 def resolve_runs(runs: Mapping[str, str | Path]) -> dict[str, tuple[Path, Path | None]]:
     """``label -> (metrics.jsonl, summary.json or None)`` for finished runs given by metrics path or run directory.
 
