@@ -12,11 +12,7 @@
 #   DEVICE=cuda            cpu for a smoke test of this script
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-[ -d .devdata ] && export TWELL_SHARED_DATA=${TWELL_SHARED_DATA:-$PWD/.devdata}
-OUT=${OUT:-$PWD/runs/gpu_out}
-mkdir -p "$OUT"
+source scripts/offline_env.sh
 NPROC=${NPROC:-4}
 DEVICE=${DEVICE:-cuda}
 DATA=${DATA:-shared:corpus/python311_docs.jsonl}

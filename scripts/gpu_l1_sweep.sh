@@ -6,10 +6,7 @@
 #   STEPS (default: the config's), JOBS=3, EXTRA="--set ...", DEVICE=cuda (cpu: smoke test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-[ -d .devdata ] && export TWELL_SHARED_DATA=${TWELL_SHARED_DATA:-$PWD/.devdata}
-OUT=${OUT:-$PWD/runs/gpu_out}
+source scripts/offline_env.sh
 CONFIG=${CONFIG:-small}
 DEVICE=${DEVICE:-cuda}
 JOBS=${JOBS:-3}

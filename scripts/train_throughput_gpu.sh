@@ -6,10 +6,7 @@
 #   with TWELL_SHARED_DATA pointing at the shared data; carry it as .devdata)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-[ -d .devdata ] && export TWELL_SHARED_DATA=${TWELL_SHARED_DATA:-$PWD/.devdata}
-OUT=${OUT:-$PWD/runs/gpu_out}
+source scripts/offline_env.sh
 STEPS=${STEPS:-1500}
 for mode in auto never; do
     name=small_m16k_kernels_$mode
