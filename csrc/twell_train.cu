@@ -2,7 +2,7 @@
 //
 // The gate GEMM's output is compacted per row into `slots` (value, column) pairs; a row with more
 // nonzeros is heavy and goes through dense GEMMs on its own (the caller's part). Light rows then run
-// on CUDA cores, one warp per row, reading the weight rows of their active neurons only:
+// on CUDA cores, one block per row, reading the weight rows of their active neurons only:
 //
 //   forward   u = x . w_up[n], h = relu(g) * u, out = sum_n h * w_down_t[n], |h| per row
 //   backward  dh = dy . w_down_t[n], ds = dh + l1 * sign(h), du = ds * relu(g), dg = ds * u,
@@ -24,7 +24,7 @@
 namespace twell {
 namespace {
 
-constexpr int kRowsPerBlock = 8;  // warps (rows) per block of the row kernels
+constexpr int kRowsPerBlock = 8;  // rows per block (one warp each) of the compaction and work-list kernels
 
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);

@@ -47,7 +47,7 @@ def _train_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: i
     entries), heavy rows (ascending, padded with -1), the weight-gradient work list (entries, items,
     long neurons), its sizes as a CPU int64 [4] (heavy rows, items, partials, long neurons: read here
     with the one host sync, so the backward needs none) and W_down transposed."""
-    return load().train_forward(x, w_gate, w_up, w_down, slots, COLUMN_CHUNK)
+    return _train_fwd_eager(x, w_gate, w_up, w_down, slots)
 
 
 @_train_fwd.register_fake
@@ -69,8 +69,8 @@ def _train_bwd(d_out: Tensor, l1_grad: Optional[Tensor], x: Tensor, w_gate: Tens
                w_down_t: Tensor, idx: Tensor, val: Tensor, u: Tensor, h: Tensor, nnz: Tensor, heavy: Tensor,
                ent: Tensor, items: Tensor, longs: Tensor, sizes: Tensor, slots: int
                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dx, d_gate, d_up, d_down = load().train_backward(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val,
-                                                     u, h, nnz, heavy, ent, items, longs, sizes, slots)
+    dx, d_gate, d_up, d_down = _train_bwd_eager(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h,
+                                                nnz, heavy, ent, items, longs, sizes, slots)
     return dx, d_gate, d_up, d_down
 
 

@@ -57,6 +57,11 @@ def _row(res: dict, measure: str, batch: Optional[int] = None) -> Optional[dict]
     return rows[0] if rows else None
 
 
+def _largest_prefill(res: dict) -> Optional[dict]:
+    """The prefill row of the largest batch (the table's and the energy and memory figures' row)."""
+    return max((r for r in res["rows"] if r["measure"] == "prefill"), key=lambda r: r["batch"], default=None)
+
+
 def _gain(r: Optional[dict]) -> Optional[float]:
     return None if r is None else r["speedup"] - 1.0
 
@@ -68,8 +73,7 @@ def efficiency_table(results: list[dict]):
     rows = []
     for res in results:
         m, meta = res["model"], res["meta"]
-        pre = [r for r in res["rows"] if r["measure"] == "prefill"]
-        big = max(pre, key=lambda r: r["batch"]) if pre else None
+        big = _largest_prefill(res)
         dec1 = min((r for r in res["rows"] if r["measure"] == "decode"), key=lambda r: r["batch"], default=None)
         tr = _row(res, "training")
         e_d = big["dense"].get("joules_per_token") if big else None
@@ -135,8 +139,7 @@ def figures(results: list[dict], title: Optional[str] = None) -> dict:
         for j, side in enumerate(("dense", "sparse")):
             vals = []
             for res in results:
-                pre = [r for r in res["rows"] if r["measure"] == "prefill"]
-                big = max(pre, key=lambda r: r["batch"]) if pre else None
+                big = _largest_prefill(res)
                 v = big[side].get(field) if big else None
                 vals.append(np.nan if v is None else v * unit)
             ax.bar(x + (j - 0.5) * 0.4, vals, 0.4, label=side)

@@ -14,6 +14,11 @@ from twell.train.loop import RunResult, run
 NOTEBOOK_RUNS = repo_root() / "runs" / "notebook02"
 
 
+def _common_overrides(device: str, steps: int | None, extra: list[str] | None) -> list[str]:
+    """The overrides every run of one notebook-02 set shares: device, steps, and the caller's own."""
+    return [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
+
+
 def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | None = None,
                     data_path: str | None = None, device: str = "auto", dense_twin: bool = True,
                     out_root: str | Path | None = None, extra: list[str] | None = None) -> dict[str, RunResult]:
@@ -25,7 +30,7 @@ def train_with_twin(config: str, *, steps: int | None = None, l1_coef: float | N
     deletes a run made by hand).
     """
     out_root = Path(out_root) if out_root is not None else NOTEBOOK_RUNS
-    common = [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
+    common = _common_overrides(device, steps, extra)
     sparse_over = common + ([f"sparsity.l1_coef={float(l1_coef)!r}"] if l1_coef is not None else [])
     results: dict[str, RunResult] = {}
     res = run(config, data=data_path, out=out_root / config, overwrite=True, overrides=sparse_over)
@@ -45,7 +50,7 @@ def train_variants(config: str, variants: Mapping[str, list[str]], *, steps: int
     runs/notebook02/), replacing what is there. The L1 sweep and the re-initialisation ablation of notebook
     02 are two such sets."""
     out_root = Path(out_root) if out_root is not None else NOTEBOOK_RUNS
-    common = [f"train.device={device}"] + ([f"train.steps={int(steps)}"] if steps else []) + list(extra or [])
+    common = _common_overrides(device, steps, extra)
     results: dict[str, RunResult] = {}
     for label, overrides in variants.items():
         slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in label).strip("_")
