@@ -95,6 +95,15 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
                              const void* w_down_t, void* out, const Workspace& w, int M, int D, int H, int n_tiles,
                              int S, cudaStream_t stream);
 
+// Decoding (twell_decode.cu): the gated FFN for 1 <= M <= kDecodeMaxRows rows, reading only the active
+// neurons' up and down weight rows. x bf16 [M, D], w_gate and w_up [H, D], w_down_t [H, D], out [M, D];
+// D a positive multiple of 64; workspace: decode_workspace_bytes(M, D, H) bytes, 16-byte aligned, no
+// initialisation needed. Two kernels, no host synchronisation; deterministic.
+constexpr int kDecodeMaxRows = 32;
+size_t decode_workspace_bytes(int M, int D, int H);
+cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t, void* out,
+                              void* workspace, int M, int D, int H, cudaStream_t stream);
+
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
 // Training kernels (csrc/twell_train.cu). Rows: forward (x, w0 = w_up, w1 = w_down_t; out, s0 = u,
 // s1 = h, row_l1) or backward (x = dy, w0 = w_down_t, w1 = w_up, w2 = w_gate, u, h, l1_grad; out = dx,

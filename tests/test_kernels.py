@@ -77,10 +77,12 @@ def fused_path(request, monkeypatch):
 
 
 def module_with(wg, wu, wd):
-    """A bf16 SparseFFN on the GPU holding the given gate/up/down weights (path "auto")."""
+    """A bf16 SparseFFN on the GPU holding the given gate/up/down weights (path "auto", with no row range
+    sent to dense: these tests are about the kernels; tests/test_decode_kernels.py tests the row rule)."""
     from twell.nn import SparseFFN
 
     ffn = SparseFFN(wg.shape[1], wg.shape[0]).to(device="cuda", dtype=torch.bfloat16)
+    ffn.dense_rows = None
     with torch.no_grad():
         ffn.gate_proj.weight.copy_(wg)
         ffn.up_proj.weight.copy_(wu)

@@ -28,6 +28,7 @@ from torch import Tensor
 from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
 from twell.kernels.build import available, load
+from twell.reference.decode import check_decode_args
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
 
 
@@ -219,6 +220,27 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
     return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression, ratio, base)
 
+
+@torch.library.custom_op("twell::decode_ffn", mutates_args=())
+def _decode_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+    return load().decode_ffn(x, w_gate, w_up, w_down_t)
+
+
+@_decode_ffn_op.register_fake
+def _(x, w_gate, w_up, w_down_t):
+    return x.new_empty(x.shape)
+
+
+def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+    """The gated FFN for 1 to ``DECODE_MAX_ROWS`` rows (token-by-token generation), bf16 [M, D].
+
+    Reads ``w_gate`` in full and only the active neurons' rows of ``w_up`` and ``w_down_t``: two
+    kernels (csrc/twell_decode.cu), no host synchronisation, deterministic, so it runs under CUDA
+    graphs. Same values as :func:`twell.reference.decode_gated_ffn` up to the order of fp32 sums."""
+    check_decode_args(x, w_gate, w_up, w_down_t)
+    _kernel_checks(x)
+    check_aligned(x=x, w_gate=w_gate, w_up=w_up, w_down_t=w_down_t)
+    return _decode_ffn_op(x, w_gate, w_up, w_down_t)
 
 
 def union_unsupported(D: int, H: int) -> str:

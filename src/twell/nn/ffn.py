@@ -24,7 +24,11 @@ and chooses *how* through one interface:
   recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
   that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
-A gated layer runs its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
+``"auto"`` also runs dense for row counts in ``dense_rows`` (default 33-2048: too many rows for the
+decoding op, too few for the large-batch kernels to beat cuBLAS; ``twell.model.choose_row_paths``
+times both per layer and sets it). On the kernels, a gated layer called on at most ``decode_rows`` rows (32: token-by-token generation) runs the decoding op
+``decode_gated_ffn``, which reads only the active neurons' up and down weight rows. Otherwise it runs
+its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
 call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"auto"`` measuring):
 then the gate op and the fused op in turn. On the kernels both give the same bits while the spill
 area holds the tiles that overflow their slots (past it, tiles are recomputed: equal to rounding).
@@ -67,9 +71,12 @@ from twell.formats.twell import columns_limit
 from twell.nn.transpose import (
     forget, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_, weight_state,
 )
+from twell.reference.decode import DECODE_MAX_ROWS
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
+# Row counts that "auto" runs dense by default (SparseFFN.dense_rows).
+DEFAULT_DENSE_ROWS = (DECODE_MAX_ROWS + 1, 2048)
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
 
@@ -173,6 +180,14 @@ class SparseFFN(nn.Module):
         self.track_l1 = True
         self.stats: Optional[FFNStats] = None
         self.last_path: Optional[str] = None
+        # Row counts up to this take the decoding op on the sparse paths (twell.kernels.decode_gated_ffn:
+        # reads only the active neurons' up and down rows); 0 turns it off.
+        self.decode_rows = DECODE_MAX_ROWS
+        # "auto" runs dense for row counts in this closed range (None: never by row count). Between the
+        # decoding op's sizes and a few thousand rows, dense cuBLAS beats both sparse ops on an H200
+        # (docs/decoding.md: calibrated layers at 0.14-1.1% active, 64 and 256 rows: 0.46-0.97x).
+        # twell.model.choose_row_paths sets it per layer from timings instead.
+        self.dense_rows = DEFAULT_DENSE_ROWS
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
         # "auto" leaves the kernels for dense above this active fraction. On the pooled real layers
@@ -202,6 +217,30 @@ class SparseFFN(nn.Module):
             raise ValueError(f"sparse path {value!r} needs activation='relu', this layer uses {self.activation!r}")
         self._path = value
         self.reset_auto()
+
+    @property
+    def decode_rows(self) -> int:
+        return self._decode_rows
+
+    @decode_rows.setter
+    def decode_rows(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= DECODE_MAX_ROWS:
+            raise ValueError(f"decode_rows must be an int in [0, {DECODE_MAX_ROWS}], got {value!r}")
+        self._decode_rows = value
+
+    @property
+    def dense_rows(self) -> Optional[tuple[int, int]]:
+        return self._dense_rows
+
+    @dense_rows.setter
+    def dense_rows(self, value) -> None:
+        if value is not None:
+            ok = (isinstance(value, (tuple, list)) and len(value) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 1 <= value[0] <= value[1])
+            if not ok:
+                raise ValueError(f"dense_rows must be None or (lo, hi) ints with 1 <= lo <= hi, got {value!r}")
+            value = (int(value[0]), int(value[1]))
+        self._dense_rows = value
 
     @property
     def union(self) -> Optional[tuple[float, float]]:
@@ -343,6 +382,11 @@ class SparseFFN(nn.Module):
                 return self._sparse(x, use_kernel=False)
             self.auto_note = self._activity_note
             if self._auto_dense:
+                return self._dense(x)
+            rows = x.numel() // x.shape[-1]
+            if self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]:
+                self.auto_note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
+                                  "dense is faster there)")
                 return self._dense(x)
             measure = self._auto_dense is None
             if measure and torch.cuda.is_current_stream_capturing():
@@ -515,7 +559,12 @@ class SparseFFN(nn.Module):
             x2 = x2.contiguous()
         elif use_kernel and impl.misaligned(x2):
             x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
-        if self.gated and not (measure or self.keep_gate):
+        if use_kernel and self.gated and not (measure or self.keep_gate) and 0 < x2.shape[0] <= self.decode_rows:
+            # A few rows (generation): the gate read in full, only the active neurons' up and down rows
+            # (docs/decoding.md); no TwELL.
+            gate = None
+            out = impl.decode_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
+        elif self.gated and not (measure or self.keep_gate):
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (docs/kernels.md §6).
             gate = None

@@ -1,0 +1,83 @@
+"""The decoding FFN's pure-PyTorch reference (CPU): dense bf16 PyTorch's values (same roundings, sums in
+another order) on random shapes; NaN handling; readable errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twell.reference import DECODE_MAX_ROWS, decode_gated_ffn, dense_gated_ffn
+
+
+def _inputs(M, D, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=g).bfloat16()
+    w = [(torch.randn(H, D, generator=g) / D ** 0.5).bfloat16() for _ in range(3)]
+    return x, *w
+
+
+@pytest.mark.parametrize("M,D,H", [(1, 64, 1), (3, 128, 200), (16, 256, 1000), (32, 64, 77)])
+def test_equals_dense(M, D, H):
+    x, w_gate, w_up, w_down_t = _inputs(M, D, H, seed=M + H)
+    got = decode_gated_ffn(x, w_gate, w_up, w_down_t)
+    want = dense_gated_ffn(x, w_gate, w_up, w_down_t.t())
+    # one bf16 rounding of the output apart at most (8 bits of mantissa)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_skips_inactive_neurons_even_non_finite():
+    x, w_gate, w_up, w_down_t = _inputs(2, 64, 10, seed=0)
+    w_gate[3] = -w_gate[3].abs() * 0 - 1  # never active for x >= 0 rows
+    x = x.abs()
+    w_up[3] = float("inf")
+    out = decode_gated_ffn(x, w_gate, w_up, w_down_t)
+    assert torch.isfinite(out).all()
+
+
+def test_nan_gate_is_active():
+    x, w_gate, w_up, w_down_t = _inputs(3, 64, 12, seed=1)
+    x[1, 0] = float("nan")
+    out = decode_gated_ffn(x, w_gate, w_up, w_down_t)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+def test_errors():
+    x, w_gate, w_up, w_down_t = _inputs(DECODE_MAX_ROWS + 1, 64, 8, seed=2)
+    with pytest.raises(ValueError, match="rows"):
+        decode_gated_ffn(x, w_gate, w_up, w_down_t)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_gated_ffn(torch.zeros(1, 96, dtype=torch.bfloat16), *(torch.zeros(8, 96, dtype=torch.bfloat16),) * 3)
+    with pytest.raises(ValueError):
+        decode_gated_ffn(x[:2], w_gate, w_up[:4], w_down_t)
+    with pytest.raises(TypeError, match="bfloat16"):
+        decode_gated_ffn(x[:2].float(), w_gate, w_up, w_down_t)
+
+
+def test_layer_row_settings_are_checked():
+    from twell.nn import SparseFFN
+    from twell.nn.ffn import DEFAULT_DENSE_ROWS
+
+    f = SparseFFN(64, 32)
+    assert f.decode_rows == DECODE_MAX_ROWS and f.dense_rows == DEFAULT_DENSE_ROWS
+    assert DEFAULT_DENSE_ROWS[0] == DECODE_MAX_ROWS + 1
+    f.decode_rows, f.dense_rows = 0, None
+    f.dense_rows = [40, 40]
+    assert f.dense_rows == (40, 40)
+    for bad in (DECODE_MAX_ROWS + 1, -1, True, 2.0):
+        with pytest.raises(ValueError, match="decode_rows"):
+            f.decode_rows = bad
+    for bad in ((0, 5), (9, 3), (1,), (1.0, 2), "33-2048"):
+        with pytest.raises(ValueError, match="dense_rows"):
+            f.dense_rows = bad
+
+
+def test_cpu_layer_keeps_the_reference_at_few_rows():
+    """The decoding op is a kernel path: on CPU "auto" runs the TwELL reference at any row count."""
+    from twell.nn import SparseFFN
+    from twell.reference import sparse_gated_ffn
+
+    f = SparseFFN(64, 96).to(torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        out = f(x)
+        assert f.last_path == "twell-reference"
+        assert torch.equal(out, sparse_gated_ffn(x, f.gate_proj.weight, f.up_proj.weight, f.w_down_t()))
