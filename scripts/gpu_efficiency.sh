@@ -13,31 +13,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/offline_env.sh
+source scripts/run_lib.sh
 NPROC=${NPROC:-4}
 DEVICE=${DEVICE:-cuda}
-DATA=${DATA:-shared:corpus/python311_docs.jsonl}
-COMMON=(--data "$DATA" --overwrite --set train.device="$DEVICE" --set data.val_fraction=0.02
-        --set data.allow_network=false --set train.export_dtype=bf16 --set train.ckpt_every=100000
-        --set train.progress=false ${EXTRA:-})
-launch() {
-    if [ "$NPROC" -gt 1 ]; then torchrun --standalone --nproc_per_node "$NPROC" -m twell.train "$@"
-    else python3 -m twell.train "$@"; fi
-}
-steps_done() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['steps_done'])" "$1"; }
+corpus_args "$DEVICE" "${DATA:-shared:corpus/python311_docs.jsonl}"
+COMMON=("${CORPUS_ARGS[@]}" ${EXTRA:-})
 for scale in ${SCALES:-0p5b}; do
-    launch --config "$scale" --out "runs/eff_$scale" --set train.max_wall_seconds="${TRAIN_S:-420}" "${COMMON[@]}" \
-        > "$OUT/train_$scale.log" 2>&1
-    steps=$(steps_done "runs/eff_$scale/summary.json")
-    launch --config "${scale}_dense" --out "runs/eff_${scale}_dense" --set train.steps="$steps" "${COMMON[@]}" \
-        > "$OUT/train_${scale}_dense.log" 2>&1
+    launch_train "$NPROC" --config "$scale" --out "runs/eff_$scale" --set train.max_wall_seconds="${TRAIN_S:-420}" \
+        "${COMMON[@]}" > "$OUT/train_$scale.log" 2>&1
+    steps=$(json_get "runs/eff_$scale/summary.json" steps_done)
+    launch_train "$NPROC" --config "${scale}_dense" --out "runs/eff_${scale}_dense" --set train.steps="$steps" \
+        "${COMMON[@]}" > "$OUT/train_${scale}_dense.log" 2>&1
     for run in "$scale" "${scale}_dense"; do
         cp "runs/eff_$run/summary.json" "$OUT/summary_$run.json"
         cp "runs/eff_$run/metrics.jsonl" "$OUT/metrics_$run.jsonl"
     done
-    prepared=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['data']['prepared_dir'])" \
-        "runs/eff_$scale/summary.json" 2>/dev/null || true)
-    python3 -m twell.bench model "runs/eff_$scale/final" --dense-checkpoint "runs/eff_${scale}_dense/final" \
-        --label "$scale ($steps steps)" --device "$DEVICE" ${prepared:+--tokens "$prepared"} --out "$OUT" \
-        --quiet ${BENCH_ARGS:-} > "$OUT/bench_$scale.log" 2>&1
+    bench_model_pair "runs/eff_$scale" "runs/eff_${scale}_dense" "$scale ($steps steps)" "$OUT" "$DEVICE" \
+        ${BENCH_ARGS:-} > "$OUT/bench_$scale.log" 2>&1
     tail -n 25 "$OUT/bench_$scale.log"
 done

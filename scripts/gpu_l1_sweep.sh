@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Notebook 02's L1 sweep and re-initialisation ablation on the GPU machine: the same config, steps and data
-# per run, JOBS runs at a time (spread over the visible GPUs; several small runs share one), metrics and
+# per run, JOBS runs at a time (spread round-robin over GPU_LIST; several small runs share one), metrics and
 # summaries copied to $OUT/<run>/ (for reports/runs/, which notebook 02's sweep_runs / reinit_runs read).
 #   CONFIG=small  COEFS="0 5e-6 1e-5 2e-5 3e-5 5e-5"  REINIT=1 (adds "reinit_off" / "reinit_on" at 2e-5)
 #   STEPS (default: the config's), JOBS=3, EXTRA="--set ...", DEVICE=cuda (cpu: smoke test)
+#   GPU_LIST="2 3"         GPU indices the runs go to (default: every GPU nvidia-smi lists)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/offline_env.sh
 CONFIG=${CONFIG:-small}
 DEVICE=${DEVICE:-cuda}
 JOBS=${JOBS:-3}
-GPUS=$( [ "$DEVICE" = cuda ] && nvidia-smi -L | wc -l || echo 1 )
+if [ -z "${GPU_LIST:-}" ]; then
+    GPU_LIST=$( [ "$DEVICE" = cuda ] && seq -s ' ' 0 $(( $(nvidia-smi -L | wc -l) - 1 )) || echo 0 )
+fi
+read -r -a GPU_IDS <<< "$GPU_LIST"
 declare -a NAMES=() SETS=()
 for c in ${COEFS:-0 5e-6 1e-5 2e-5 3e-5 5e-5}; do NAMES+=("l1_$c"); SETS+=("--set sparsity.l1_coef=$c"); done
 if [ "${REINIT:-1}" = 1 ]; then
@@ -23,7 +27,7 @@ i=0
 for k in "${!NAMES[@]}"; do
     name=${CONFIG}_${NAMES[$k]}
     (
-        CUDA_VISIBLE_DEVICES=$(( i % GPUS )) python3 -m twell.train --config "$CONFIG" --out "runs/sweep/$name" \
+        CUDA_VISIBLE_DEVICES=${GPU_IDS[i % ${#GPU_IDS[@]}]} python3 -m twell.train --config "$CONFIG" --out "runs/sweep/$name" \
             --overwrite --set train.device="$DEVICE" --set train.progress=false --set train.export_dtype=null \
             ${STEPS:+--set train.steps=$STEPS} ${SETS[$k]} ${EXTRA:-} > "$OUT/$name.log" 2>&1 \
             || echo "run $name failed (see $OUT/$name.log)"

@@ -1,6 +1,9 @@
 """``python -m twell.bench ffn [...]``: the FFN benchmark of shared/BENCHMARK.md (see twell.bench.ffn);
 ``python -m twell.bench train-ffn [...]``: its training cases with the sparse training kernels;
 ``python -m twell.bench model CHECKPOINT [...]``: a whole model, dense against sparse (twell.bench.model);
+``python -m twell.bench decode [...]``: the FFN at decoding sizes under CUDA graphs (twell.bench.decode);
+``python -m twell.bench activity CHECKPOINT --tokens DIR [...]``: active FFN neurons per layer and per position of a
+checkpoint (and its dense twin) on held-out tokens (twell.bench.activity);
 ``python -m twell.bench provenance FILE.json``: the commits whose code made a result (twell.bench.provenance)."""
 from __future__ import annotations
 
@@ -48,6 +51,28 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--out", type=Path, help="output directory (default reports/bench)")
     mo.add_argument("--tag", default="")
     mo.add_argument("--quiet", action="store_true")
+    de = sub.add_parser("decode", help="the FFN at decoding sizes (M = 1 .. 2048), dense against sparse, CUDA graphs",
+                        description="twell.bench.decode: calibrated cases nnz8 / nnz29 / nnz64 at D 2048, H 5632.")
+    from twell.bench.decode import add_arguments
+
+    add_arguments(de)
+    a = sub.add_parser("activity", help="active FFN neurons per layer and per position on held-out tokens",
+                       description="twell.bench.activity.checkpoint_activity: a checkpoint (and --dense-checkpoint, "
+                                   "its dense twin) on consecutive blocks of a prepared split, every FFN on its "
+                                   "dense path; one JSON with both.")
+    a.add_argument("checkpoint", help="sparse checkpoint: a Hugging Face directory (runs/<run>/final) or hub id")
+    a.add_argument("--dense-checkpoint", help="its dense twin, measured the same way")
+    a.add_argument("--tokens", required=True, help="prepared data directory (the run's summary.json: data.prepared_dir) "
+                                                   "or .npy of token ids")
+    a.add_argument("--split", choices=("val", "train"), default="val", help="split of a prepared directory (val: "
+                                                                             "held-out documents)")
+    a.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context, at most 1024)")
+    a.add_argument("--max-tokens", type=int, help="at most this many tokens (default: every whole sequence)")
+    a.add_argument("--batch", type=int, default=8, help="sequences per forward")
+    a.add_argument("--bins", type=int, default=32, help="position bins of the binned profile")
+    a.add_argument("--label", help="name of the result, e.g. 0.5B (default: the checkpoint's folder name)")
+    a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a.add_argument("--out", type=Path, help="JSON file to write (default reports/bench/activity-<label>.json)")
     v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
                        description="Recomputes the csrc and package digests of the newest commits from git and "
                                    "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
@@ -120,6 +145,62 @@ def provenance_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def activity_main(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from twell.bench.activity import checkpoint_activity
+    from twell.bench.provenance import provenance
+
+    ck = Path(str(args.checkpoint).rstrip("/"))
+    label = args.label or (ck.parent.name if ck.name == "final" and ck.parent.name else ck.name)
+    models = {"sparse": args.checkpoint, **({"dense": args.dense_checkpoint} if args.dense_checkpoint else {})}
+    res = {"label": label, "meta": {
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": args.device,
+        "device_name": torch.cuda.get_device_name(args.device) if str(args.device).startswith("cuda") else "cpu",
+        "torch": torch.__version__, "code": provenance(),
+        "note": "every FFN on its dense path with tracking: activity counted from the exact ReLU gate (bf16)"},
+        "models": {}}
+    try:
+        for side, path in models.items():
+            res["models"][side] = checkpoint_activity(path, args.tokens, seq=args.seq, max_tokens=args.max_tokens,
+                                                      split=args.split, device=args.device, batch=args.batch,
+                                                      bins=args.bins)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.out is None:
+        from twell.paths import reports_dir
+
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+        out = reports_dir("bench") / f"activity-{slug}.json"
+    else:
+        out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(activity_table(res))
+    print(f"wrote {out}")
+    return 0
+
+
+def activity_table(res: dict) -> str:
+    """Markdown: active neurons per token (% of H) per layer, and at the first / middle / last position bin."""
+    sides = list(res["models"])
+    first = res["models"][sides[0]]
+    lines = [f"# FFN activity: {res['label']} ({first['sequences']} x {first['seq']} {first['data'].get('split', '')} "
+             f"tokens)", "", "| layer | " + " | ".join(f"{s} % of H | {s} first / mid / last bin %" for s in sides)
+             + " |", "|---" * (1 + 2 * len(sides)) + "|"]
+    for layer in range(first["layers"]):
+        cells = []
+        for s in sides:
+            m = res["models"][s]
+            pos = m["positions"]["active"][layer]
+            pct = [100 * v / m["intermediate_size"] for v in (pos[0], pos[len(pos) // 2], pos[-1])]
+            cells += [f"{100 * m['active_frac_per_layer'][layer]:.2f}", " / ".join(f"{v:.2f}" for v in pct)]
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    lines.append("| mean | " + " | ".join(f"{100 * res['models'][s]['active_frac_mean']:.2f} | CE "
+                                          f"{res['models'][s]['ce']:.4f}" for s in sides) + " |")
+    return "\n".join(lines)
+
+
 def model_main(args: argparse.Namespace) -> int:
     from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, write_outputs
 
@@ -151,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         return provenance_main(args)
     if args.command == "model":
         return model_main(args)
+    if args.command == "activity":
+        return activity_main(args)
+    if args.command == "decode":
+        from twell.bench.decode import main_from_args
+
+        try:
+            return main_from_args(args)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     cfg = BenchConfig(

@@ -43,10 +43,10 @@ class CapturedInputs:
 TOKENIZER_KEYS = ("kind", "name", "vocab_size", "trained_on")  # what says two tokenizers are the same
 
 
-def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.ndarray, dict]:
-    """The first ``count`` tokens of a prepared data directory's split (twell.data.prepare) or of a
-    ``.npy`` file of token ids, as int64, with a description of where they came from (for a prepared
-    directory, ``tokenizer``: the tokenizer it was made with)."""
+def read_tokens(tokens: str | Path, count: int | None, split: str = "val") -> tuple[np.ndarray, dict]:
+    """The first ``count`` tokens (None: all) of a prepared data directory's split (twell.data.prepare)
+    or of a ``.npy`` file of token ids, as int64, with a description of where they came from (for a
+    prepared directory, ``tokenizer``: the tokenizer it was made with)."""
     from twell.data.prepare import PreparedData, is_prepared_dir
 
     path = Path(tokens).expanduser()
@@ -63,6 +63,8 @@ def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.
     else:
         raise FileNotFoundError(f"tokens: expected a prepared data directory (with meta.json, made by "
                                 f"twell.data.prepare) or a .npy file of token ids, got {str(tokens)!r}")
+    if count is None:
+        count = len(ids)
     if len(ids) < count:
         raise ValueError(f"{path}: {len(ids)} tokens{' in the ' + split + ' split' if 'split' in where else ''}, "
                          f"need {count} (whole sequences: lower the token count or the sequence length)")
@@ -70,6 +72,23 @@ def read_tokens(tokens: str | Path, count: int, split: str = "val") -> tuple[np.
     if count and int(out.min()) < 0:
         raise ValueError(f"{path}: negative token id {int(out.min())}")
     return out, where
+
+
+def check_same_tokenizer(config, ids: np.ndarray, where: dict, tokens, checkpoint) -> None:
+    """Raise ValueError when token ids from ``tokens`` (``read_tokens``' ``ids`` and ``where``) cannot be
+    text for the model of ``config`` (a transformers config): an id outside its vocabulary, or a data
+    directory that records another tokenizer than the checkpoint was trained with."""
+    vocab = int(config.vocab_size)
+    if len(ids) and int(ids.max()) >= vocab:
+        raise ValueError(f"token id {int(ids.max())} of {tokens} is outside the model's vocabulary ({vocab}): "
+                         "the tokens were made with another tokenizer")
+    # Ids that fit the vocabulary can still come from another tokenizer, which would give activations
+    # of nonsense text: compare what the checkpoint and the data directory record.
+    ours, theirs = getattr(config, "twell_tokenizer", None) or {}, where.get("tokenizer") or {}
+    differ = {k: (ours[k], theirs[k]) for k in TOKENIZER_KEYS if k in ours and k in theirs and ours[k] != theirs[k]}
+    if differ:
+        raise ValueError(f"{tokens} was tokenised with another tokenizer than {checkpoint} was trained with "
+                         f"(checkpoint vs data: {differ})")
 
 
 def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int, seq: int | None = None, *,
@@ -108,19 +127,9 @@ def capture_ffn_inputs(checkpoint: str | Path, tokens: str | Path, n_tokens: int
     seq = min(1024, max_pos, n_tokens) if seq is None else int(seq)
     if not 1 <= seq <= max_pos:
         raise ValueError(f"seq must be in [1, {max_pos}] (the model's context), got {seq}")
-    vocab = int(model.config.vocab_size)
     n_seq = -(-n_tokens // seq)
     ids, where = read_tokens(tokens, n_seq * seq, split)
-    if int(ids.max()) >= vocab:
-        raise ValueError(f"token id {int(ids.max())} of {tokens} is outside the model's vocabulary ({vocab}): "
-                         "the tokens were made with another tokenizer")
-    # Ids that fit the vocabulary can still come from another tokenizer, which would give activations
-    # of nonsense text: compare what the checkpoint and the data directory record.
-    ours, theirs = getattr(model.config, "twell_tokenizer", None) or {}, where.get("tokenizer") or {}
-    differ = {k: (ours[k], theirs[k]) for k in TOKENIZER_KEYS if k in ours and k in theirs and ours[k] != theirs[k]}
-    if differ:
-        raise ValueError(f"{tokens} was tokenised with another tokenizer than {checkpoint} was trained with "
-                         f"(checkpoint vs data: {differ})")
+    check_same_tokenizer(model.config, ids, where, tokens, checkpoint)
     ids = torch.from_numpy(ids).view(n_seq, seq)
 
     chunks: dict[int, list[torch.Tensor]] = {i: [] for i in keep}
