@@ -15,7 +15,7 @@ from twell.reports import efficiency
 matplotlib.use("Agg")
 
 SMALL = dict(device="cpu", prefill_batches=(2,), seq_len=16, decode_batches=(1, 2), prompt_len=8, new_tokens=4,
-             train_batch=2, train_steps=1, reps=2, warmup=1, energy=False)
+             train_batch=2, train_steps=1, reps=2, warmup=1, energy=False, decode_static=False)
 
 
 def _checkpoint(path, seed):
@@ -58,6 +58,19 @@ def test_dense_side_defaults_to_the_dense_path(pair):
     act = res["model"]["activity"]
     assert act["dense"]["ce"] == act["sparse"]["ce"]  # the same weights
     assert [r["measure"] for r in res["rows"]] == ["prefill", "decode"]
+
+
+def test_static_cache_decode_rows_and_greedy_token_check(pair):
+    """decode-static rows (static KV cache, which transformers compiles on a GPU) beside the eager ones,
+    and the sparse weights' greedy tokens on the sparse path against the dense path (on CPU "auto" runs
+    the TwELL reference: the same tokens)."""
+    cfg = {**SMALL, "train_batch": 0, "decode_static": True, "token_check": True}
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], **cfg), progress=False)
+    kinds = [(r["measure"], r["batch"]) for r in res["rows"] if r["measure"] != "prefill"]
+    assert kinds == [("decode", 1), ("decode-static", 1), ("decode", 2), ("decode-static", 2)], res["decode_errors"]
+    tc = res["token_check"]
+    assert tc["same"] and tc["all_divergences_near_ties"] and tc["rows"] == [{"first_diff": None}]
+    assert "identical" in markdown_report(res)
 
 
 def test_bad_settings():

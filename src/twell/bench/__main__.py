@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--train-batch", type=int, default=8, help="sequences per training step (0: no training rows)")
     mo.add_argument("--train-steps", type=int, default=5)
     mo.add_argument("--sparse-path", default="auto", choices=["auto", "kernel", "reference"])
+    mo.add_argument("--no-static-decode", action="store_true",
+                    help="skip the decode rows with a static KV cache (compiled: CUDA graphs)")
+    mo.add_argument("--no-token-check", action="store_true",
+                    help="skip the greedy-token comparison of the sparse weights on the sparse and dense paths")
     mo.add_argument("--reps", type=int, default=10)
     mo.add_argument("--no-energy", action="store_true")
     mo.add_argument("--energy-seconds", type=float, default=2.0)
@@ -209,7 +213,8 @@ def model_main(args: argparse.Namespace) -> int:
         sparse_path=args.sparse_path, prefill_batches=tuple(args.prefill_batch), seq_len=args.seq,
         decode_batches=tuple(args.decode_batch), prompt_len=args.prompt, new_tokens=args.new_tokens,
         train_batch=args.train_batch, train_steps=args.train_steps, reps=args.reps, energy=not args.no_energy,
-        energy_seconds=args.energy_seconds, tokens=args.tokens)
+        energy_seconds=args.energy_seconds, tokens=args.tokens, decode_static=not args.no_static_decode,
+        token_check=not args.no_token_check)
     try:
         res = run_model_bench(cfg, progress=not args.quiet)
     except (ValueError, FileNotFoundError) as exc:

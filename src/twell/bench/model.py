@@ -67,6 +67,8 @@ class ModelBenchConfig:
     warmup: int = 2
     energy: bool = True
     energy_seconds: float = 2.0
+    decode_static: bool = True                   # also decode with a static KV cache, compiled (CUDA graphs)
+    token_check: bool = True                     # greedy tokens of the sparse weights, sparse path vs dense path
     tokens: Optional[str] = None                 # prepared data dir or .npy of token ids (default: random ids)
     tokens_split: str = "val"
     seed: int = 0
@@ -148,6 +150,69 @@ def _energy(fn: Callable[[], object], device: torch.device, seconds: float, toke
 def _generate(model, prompt: torch.Tensor, new: int, pad: int) -> torch.Tensor:
     return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
                           min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True)
+
+
+def _generate_static(model, prompt: torch.Tensor, new: int, pad: int) -> torch.Tensor:
+    """Greedy generate with a static KV cache, which transformers compiles (CUDA graphs: launch overhead
+    out of the comparison, as BENCHMARK.md asks for decoding)."""
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,
+                          cache_implementation="static")
+
+
+def _decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", pad: int, device: torch.device,
+                gen: Callable, mode: str) -> dict:
+    b = prompt.shape[0]
+    row = {"measure": "decode" if mode == "eager" else f"decode-{mode}", "batch": b, "prompt": cfg.prompt_len,
+           "new_tokens": cfg.new_tokens}
+    for side, m in models.items():
+        gen(m, prompt, 2, pad)  # warm-up (compiles; the sparse layers' first-call measurement)
+        gen(m, prompt, cfg.new_tokens, pad)
+    for side, m in models.items():
+        full = _timed(lambda: gen(m, prompt, cfg.new_tokens, pad), device, max(1, cfg.reps // 3))
+        first = _timed(lambda: gen(m, prompt, 1, pad), device, max(1, cfg.reps // 3))
+        decode_s = max(full - first, 1e-9)
+        row[side] = {"seconds": full, "prompt_seconds": first, "tokens_per_s": b * (cfg.new_tokens - 1) / decode_s,
+                     "peak_bytes": peak_memory_above_baseline(lambda: gen(m, prompt, cfg.new_tokens, pad), device)}
+    row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+    return row
+
+
+def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_path: str = "auto") -> dict:
+    """Greedy tokens of one model on its sparse path against the same weights on the dense path.
+
+    Returns ``same`` (every token equal), ``first_diff`` (index of the first differing new token per
+    row, or None), and at that step the dense path's top-2 logit ``margin`` with ``bf16_step``, the bf16
+    spacing at the top logit: a divergence where the margin is within a few such steps is a near-tie
+    (BENCHMARK.md), anything else a failure of the sparse path."""
+    from twell.model import set_ffn_path
+
+    outs = {}
+    try:
+        for path in ("dense", sparse_path):
+            set_ffn_path(model, path)
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=pad, use_cache=True,
+                                 output_scores=True, return_dict_in_generate=True)
+            outs[path] = out
+    finally:
+        set_ffn_path(model, sparse_path)
+    d, s = outs["dense"], outs[sparse_path]
+    P = prompt.shape[1]
+    dt, st = d.sequences[:, P:], s.sequences[:, P:]
+    rows = []
+    for r in range(dt.shape[0]):
+        diff = (dt[r] != st[r]).nonzero()
+        if diff.numel() == 0:
+            rows.append({"first_diff": None})
+            continue
+        i = int(diff[0])
+        top = d.scores[i][r].float().topk(2).values
+        step = float(torch.finfo(torch.bfloat16).eps) * max(abs(float(top[0])), 1e-30)
+        rows.append({"first_diff": i, "margin": float(top[0] - top[1]), "bf16_step": step,
+                     "near_tie": bool(float(top[0] - top[1]) <= 4 * step)})
+    return {"same": all(r["first_diff"] is None for r in rows), "rows": rows, "new_tokens": new,
+            "all_divergences_near_ties": all(r["first_diff"] is None or r["near_tie"] for r in rows)}
 
 
 def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -245,23 +310,22 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
         rows.append(row)
         bar.update(1)
 
+    decode_errors = {}
     for b in cfg.decode_batches:
         prompt = ids[: b * cfg.prompt_len].view(b, cfg.prompt_len).to(device)
-        row = {"measure": "decode", "batch": b, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
         with torch.inference_mode():
-            for side, m in models.items():
-                _generate(m, prompt, 2, pad)  # warm-up (and the sparse layers' first-call measurement)
-            for side, m in models.items():
-                full = _timed(lambda: _generate(m, prompt, cfg.new_tokens, pad), device, max(1, cfg.reps // 3))
-                first = _timed(lambda: _generate(m, prompt, 1, pad), device, max(1, cfg.reps // 3))
-                decode_s = max(full - first, 1e-9)
-                row[side] = {"seconds": full, "prompt_seconds": first,
-                             "tokens_per_s": b * (cfg.new_tokens - 1) / decode_s,
-                             "peak_bytes": peak_memory_above_baseline(
-                                 lambda: _generate(m, prompt, cfg.new_tokens, pad), device)}
-        row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
-        rows.append(row)
+            rows.append(_decode_row(models, prompt, cfg, pad, device, _generate, "eager"))
+            if cfg.decode_static:
+                try:
+                    rows.append(_decode_row(models, prompt, cfg, pad, device, _generate_static, "static"))
+                except Exception as exc:  # recorded in the result, the other measurements go on
+                    decode_errors[f"static, batch {b}"] = f"{type(exc).__name__}: {exc}"[:500]
         bar.update(1)
+    token_check = None
+    if cfg.token_check:
+        prompt = ids[: cfg.prompt_len].view(1, cfg.prompt_len).to(device)
+        with torch.inference_mode():
+            token_check = greedy_token_check(sparse, prompt, cfg.new_tokens, pad, cfg.sparse_path)
 
     if cfg.train_batch:
         x = ids[: cfg.train_batch * (seq + 1)].view(cfg.train_batch, seq + 1).to(device)
@@ -286,6 +350,8 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
                   "trained": getattr(mc, "twell_tokenizer", None), "activity": activity, "tokens": source},
         "paper": PAPER,
         "rows": rows,
+        "decode_errors": decode_errors,
+        "token_check": token_check,
     }
 
 
@@ -313,8 +379,7 @@ def markdown_report(res: dict) -> str:
     lines += ["", "| measure | batch | dense | sparse | sparse / dense | dense peak MB | sparse peak MB "
                   "| dense J/token | sparse J/token |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        unit = {"prefill": ("tokens_per_ms", "tok/ms"), "decode": ("tokens_per_s", "tok/s"),
-                "training": ("tokens_per_s", "tok/s")}[r["measure"]]
+        unit = ("tokens_per_ms", "tok/ms") if r["measure"] == "prefill" else ("tokens_per_s", "tok/s")
         d, s = r["dense"], r["sparse"]
         mb = lambda v: _fmt(None if v is None else v / 2**20, ".0f")  # noqa: E731
         lines.append(f"| {r['measure']} | {r['batch']} | {_fmt(d[unit[0]], '.1f')} {unit[1]} | "
@@ -326,6 +391,20 @@ def markdown_report(res: dict) -> str:
         lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
         if tr[0]["sparse"].get("notes"):
             lines.append(f"Layers left dense by the backend: {'; '.join(tr[0]['sparse']['notes'])}")
+    if any(r["measure"] == "decode-static" for r in res["rows"]):
+        lines += ["", "decode-static: greedy generate with a static KV cache, compiled by transformers (CUDA graphs), "
+                      "both sides alike; decode: the eager loop."]
+    for k, v in (res.get("decode_errors") or {}).items():
+        lines.append(f"Decode {k} failed: {v}")
+    tc = res.get("token_check")
+    if tc:
+        diffs = [r for r in tc["rows"] if r["first_diff"] is not None]
+        lines += ["", f"Greedy tokens, sparse weights on the sparse path against the dense path ({tc['new_tokens']} new "
+                      f"tokens): " + ("identical." if tc["same"] else
+                                      "first divergence at token " + ", ".join(
+                                          f"{r['first_diff']} (top-2 margin {r['margin']:.3g}, bf16 step "
+                                          f"{r['bf16_step']:.3g}: {'a near-tie' if r['near_tie'] else 'NOT a near-tie'})"
+                                          for r in diffs) + ".")]
     code = meta.get("code") or {}
     lines += ["", f"Code: commit {code.get('commit') or '-'} (matches: {code.get('matches_commit')})"]
     return "\n".join(lines) + "\n"
