@@ -4,13 +4,20 @@
 // At a few rows the FFN is a weight stream: dense reads W_gate, W_up and W_down once per call
 // (3 x H x D bf16). The gate weights must be read in full; the up and down rows only where some row's
 // gate is positive. Two kernels:
-//   gate_up: one CTA per group of 16 neurons, its 8 warps splitting K (D). Tensor-core mma.sync
-//            m16n8k16 with the weights as the A operand (16 neurons) and x as B (8 rows per n tile),
-//            so each weight word is loaded once, straight from global memory into the fragment.
-//            The split sums meet in shared memory; the gate is rounded to bf16 and ReLU'd as the
-//            dense path does. Then the same loop over W_up, loading only the active neurons' rows
-//            (other rows' fragments are zeros). h = bf16(gate * bf16(u)) goes to h_t [H, MP]
-//            (only active neurons' rows are written) and the group's 16-bit activity mask to gmask.
+//   gate_up: one CTA per group of 16 neurons, its 8 warps splitting K (D). One thread stages the
+//            group's 16 W_gate rows in shared memory with bulk copies (cp.async.bulk, one per row,
+//            completing on one mbarrier), issued before the wait for the previous kernel: a few
+//            instructions put the CTA's whole weight tile in flight, so the stream is not bounded by
+//            what each thread can keep outstanding. K is staged in chunks of at most 2048 columns
+//            (16 rows x 4160 bytes: 3 CTAs per SM), one barrier phase each. Rows land 64 bytes more
+//            than their length apart, so each 8-lane phase of a fragment read (rows g and g + 1,
+//            64 bytes of each) covers the 32 banks once. Tensor-core mma.sync m16n8k16 with the
+//            weights as the A operand (16 neurons) and x as B (8 rows per n tile). The split sums
+//            meet in shared memory (over the consumed staging area); the gate is rounded to bf16 and
+//            ReLU'd as the dense path does. Then the same over W_up, copying only the active
+//            neurons' rows (other rows' fragments are zeros, not read). h = bf16(gate * bf16(u))
+//            goes to h_t [H, MP] (only active neurons' rows are written) and the group's 16-bit
+//            activity mask to gmask.
 //   down:    out = h @ w_down_t over the active neurons only. CTAs own 64 output columns and one of
 //            SPLITS contiguous ranges of neuron groups; each lists its active neurons in neuron order,
 //            its warps take them in turn. Split sums are added in split order by the last CTA of a
@@ -25,13 +32,14 @@
 namespace twell {
 namespace dec {
 
-constexpr int WARPS = 8;         // gate_up: K split over the CTA's warps
+constexpr int WARPS = 8;         // gate_up: K split over the CTA's warps (k step s of 32 to warp s % WARPS)
 constexpr int GROUP = 16;        // neurons per gate_up CTA (mma M)
-constexpr int DEPTH = 8;         // k steps of 32 per warp whose weight words are in flight together
-constexpr int STAGE_BYTES = WARPS * DEPTH * 2 * 32 * 16;  // 64 KB: each lane's 2 x DEPTH 16-byte words
+constexpr int CHUNK = 2048;      // gate_up: most K columns staged at once (a multiple of WARPS * 32)
+constexpr int PAD = 64;          // gate_up: bytes after each staged row (row stride = 64 mod 128)
 constexpr int COLS = 64;         // down: output columns per CTA (2 per lane)
 constexpr int DOWN_WARPS = 8;
 constexpr int SPLITS = 16;       // down: neuron-group ranges per column slice
+static_assert(CHUNK % (WARPS * 32) == 0, "chunks keep k step s with warp s % WARPS");
 
 struct Params {
   const __nv_bfloat16* x;
@@ -55,50 +63,48 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Lane (g = lane / 4, c = lane % 4) of warp `warp` copies, for chunk `chunk` of its k steps
-// (s = warp + (chunk * DEPTH + d) * WARPS), 16 bytes of weight rows n0 + g and n0 + g + 8 into its own
-// slots of `stage` (cp.async, one group). Rows whose `live` flag is false are zero-filled, not read.
-// Each lane later reads back only its own slots: no barrier between copy and use.
-__device__ __forceinline__ void issue_rows(const __nv_bfloat16* w, int n0, bool live0, bool live1, int D, int warp,
-                                           int lane, int chunk, uint4* stage) {
-  const int g = lane >> 2, c = lane & 3, steps = D / 32;
-  const __nv_bfloat16* w0 = w + size_t(live0 ? n0 + g : 0) * D + c * 8;
-  const __nv_bfloat16* w1 = w + size_t(live1 ? n0 + g + 8 : 0) * D + c * 8;
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) {
-    const int s = warp + (chunk * DEPTH + d) * WARPS;
-    if (s < steps) {
-      uint4* slot = stage + ((warp * DEPTH + d) * 2) * 32 + lane;
-      cp_async16(smem_u32(slot), w0 + s * 32, live0);
-      cp_async16(smem_u32(slot + 32), w1 + s * 32, live1);
-    }
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+// 16 bytes of shared memory at addr when `live`, else zeros without a read (a predicated load).
+__device__ __forceinline__ uint4 lds128_if(uint32_t addr, bool live) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "r"(addr), "r"(uint32_t(live)));
+  return v;
 }
 
-// acc += this warp's share of chunk `chunk` of the 16 x MP product W[n0 .. n0 + 16) . x^T, from the
-// words issue_rows staged. Lane (g, c) holds rows g and g + 8 and, per n tile, columns 2c and 2c + 1
-// (the mma's C layout). Logical k order inside an mma does not matter for a dot product: each lane's
-// 16 staged bytes (8 consecutive k) feed two mmas, and x is loaded with the same permutation.
+// K columns per staged chunk: D when it fits in one, else D split evenly, rounded up to a multiple of
+// WARPS * 32 so that k step s stays with warp s % WARPS in every chunk (the per-warp summation order
+// does not depend on the chunking). The last chunk may be narrower; every chunk is a multiple of 64.
+__host__ __device__ inline int chunk_cols(int D) {
+  const int n = (D + CHUNK - 1) / CHUNK;
+  if (n <= 1) return D;
+  constexpr int Q = WARPS * 32;
+  return ((D + n - 1) / n + Q - 1) / Q * Q;
+}
+
+// Bytes between staged rows of chunks of kc columns: 2 kc + PAD, = 64 mod 128 (kc is a multiple of 64).
+__host__ __device__ inline int row_stride(int kc) { return kc * 2 + PAD; }
+
+// The staging area: 16 staged rows, or the warps' partial sums (reduce_warps) if larger.
 template <int NT>
-__device__ __forceinline__ void consume_rows(const __nv_bfloat16* x, int M, int D, int warp, int lane, int chunk,
-                                             const uint4* stage, float (&acc)[NT][4]) {
-  const int g = lane >> 2, c = lane & 3, steps = D / 32;
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-#pragma unroll
-  for (int d = 0; d < DEPTH; ++d) {
-    const int s = warp + (chunk * DEPTH + d) * WARPS;
-    if (s >= steps) break;
-    const uint4* slot = stage + ((warp * DEPTH + d) * 2) * 32 + lane;
-    const uint4 a = slot[0], b = slot[32];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const int row = t * 8 + g;
-      const uint4 xv = row < M ? __ldg(reinterpret_cast<const uint4*>(x + size_t(row) * D + s * 32 + c * 8))
-                               : make_uint4(0, 0, 0, 0);
-      mma_bf16(acc[t], a.x, b.x, a.y, b.y, xv.x, xv.y);
-      mma_bf16(acc[t], a.z, b.z, a.w, b.w, xv.z, xv.w);
-    }
+__host__ __device__ inline int stage_area(int kc) {
+  const int rows = GROUP * row_stride(kc), sums = WARPS * NT * 4 * 32 * 4;
+  return rows > sums ? rows : sums;
+}
+
+// Thread 0: one bulk copy per row i of the group whose bit is set in `rows`, of columns
+// [k0, k0 + min(kc, D - k0)) of weight row n0 + i, to stage + i * row_stride(kc); the bytes complete the
+// current phase of bar (its single arrival is this expect_tx). Sources are 16-byte aligned (w is,
+// and row and chunk offsets are multiples of 128 bytes); so are the destinations (stride % 16 == 0).
+__device__ __forceinline__ void issue_chunk(const __nv_bfloat16* w, int n0, uint32_t rows, int D, int k0, int kc,
+                                            uint8_t* stage, uint64_t* bar) {
+  const int stride = row_stride(kc);
+  const uint32_t bytes = uint32_t(min(kc, D - k0)) * 2;
+  mbar_expect_tx(bar, uint32_t(__popc(rows)) * bytes);
+  for (uint32_t r = rows; r; r &= r - 1) {
+    const int i = __ffs(r) - 1;
+    bulk_copy(stage + i * stride, w + size_t(n0 + i) * D + k0, bytes, bar);
   }
 }
 
@@ -110,21 +116,51 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
 }
 
-// The whole product for rows n0 .. n0 + 16 (the first chunk already issued unless `issued` is false).
+// acc = this warp's share of the 16 x MP product W[n0 .. n0 + 16) . x^T: k steps s of 32 columns with
+// s % WARPS == warp, in increasing s. Lane (g, c) holds rows g and g + 8 and, per n tile, columns
+// 2c and 2c + 1 (the mma's C layout); per k step it reads 16 bytes (8 consecutive k) of each of its
+// two staged rows, at byte s_local * 64 + c * 16, and the same 8 k of x, which feed two mmas.
+// Rows whose bit is clear in `rows` are not copied; their fragments are zeros. K is staged chunk by
+// chunk in `stage`, each chunk a phase of bar (`phase`: the parity to wait for, flipped per chunk).
+// The first chunk is already issued when `issued`; the other issues come after every thread's
+// earlier accesses to `stage` (proxy fence, then the CTA barrier).
 template <int NT>
-__device__ __forceinline__ void group_product(const __nv_bfloat16* w, int n0, bool live0, bool live1,
-                                              const __nv_bfloat16* x, int M, int D, int warp, int lane,
-                                              uint4* stage, bool issued, float (&acc)[NT][4]) {
+__device__ __forceinline__ void group_product(const __nv_bfloat16* w, int n0, uint32_t rows, const __nv_bfloat16* x,
+                                              int M, int D, int kc, int warp, int lane, uint8_t* stage,
+                                              uint64_t* bar, uint32_t& phase, bool issued, float (&acc)[NT][4]) {
   zero(acc);
-  const int chunks = (D / 32 + WARPS * DEPTH - 1) / (WARPS * DEPTH);
-  for (int ch = 0; ch < chunks; ++ch) {
-    if (ch > 0 || !issued) issue_rows(w, n0, live0, live1, D, warp, lane, ch, stage);
-    consume_rows<NT>(x, M, D, warp, lane, ch, stage, acc);
+  const int g = lane >> 2, c = lane & 3;
+  const bool live0 = (rows >> g) & 1, live1 = (rows >> (g + 8)) & 1;
+  const int stride = row_stride(kc);
+  const uint32_t r0 = smem_u32(stage) + g * stride + c * 16, r1 = r0 + 8 * stride;
+  const __nv_bfloat16* xl = x + size_t(g) * D + c * 8;  // n tile t: 8 t rows further
+  constexpr int UNROLL = 4 / NT;  // k steps whose loads the compiler may batch (registers)
+  for (int k0 = 0; k0 < D; k0 += kc) {
+    if (k0 > 0 || !issued) {
+      fence_async_smem();
+      __syncthreads();
+      if (threadIdx.x == 0) issue_chunk(w, n0, rows, D, k0, kc, stage, bar);
+    }
+    mbar_wait(bar, phase);
+    phase ^= 1;
+    const int steps = min(kc, D - k0) / 32;
+#pragma unroll UNROLL
+    for (int sl = warp; sl < steps; sl += WARPS) {
+      const uint4 a = lds128_if(r0 + sl * 64, live0), b = lds128_if(r1 + sl * 64, live1);
+      const int k = k0 + sl * 32;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const uint4 xv = t * 8 + g < M ? __ldg(reinterpret_cast<const uint4*>(xl + size_t(t * 8) * D + k))
+                                       : make_uint4(0, 0, 0, 0);
+        mma_bf16(acc[t], a.x, b.x, a.y, b.y, xv.x, xv.y);
+        mma_bf16(acc[t], a.z, b.z, a.w, b.w, xv.z, xv.w);
+      }
+    }
   }
 }
 
 // Sum the warps' accumulators (fixed order) into sum[16][MP] (neuron-major). `part` may alias the
-// staging area: every warp has consumed its slots before the first barrier here.
+// staging area: every warp has consumed the staged rows before the first barrier here.
 template <int NT>
 __device__ __forceinline__ void reduce_warps(const float (&acc)[NT][4], float* part, float* sum, int warp,
                                              int lane) {
@@ -147,27 +183,36 @@ __device__ __forceinline__ void reduce_warps(const float (&acc)[NT][4], float* p
   __syncthreads();
 }
 
+// Staging area, gate and up sums, mask word and mbarrier (16 bytes), alignment.
 template <int NT>
-constexpr int gate_up_smem() {
-  return STAGE_BYTES + 2 * GROUP * NT * 8 * 4 + 16 + 16;  // stage, gate and up sums, mask, alignment
+size_t gate_up_smem(int D) {
+  return size_t(stage_area<NT>(chunk_cols(D))) + 2 * GROUP * NT * 8 * 4 + 16 + 16;
 }
 
 template <int NT>
 __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
   constexpr int MP = NT * 8;
-  static_assert(WARPS * NT * 4 * 32 * 4 <= STAGE_BYTES, "the warp sums must fit in the staging area");
   uint8_t* smem = aligned_smem<16>();
-  uint4* stage = reinterpret_cast<uint4*>(smem);
+  uint8_t* stage = smem;
   float* part = reinterpret_cast<float*>(smem);
-  float* gate = reinterpret_cast<float*>(smem + STAGE_BYTES);
+  const int kc = chunk_cols(p.D);
+  float* gate = reinterpret_cast<float*>(smem + stage_area<NT>(kc));
   float* up = gate + GROUP * MP;
   uint32_t* mask = reinterpret_cast<uint32_t*>(up + GROUP * MP);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(mask + 2);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int n0 = blockIdx.x * GROUP, g = lane >> 2;
-  const bool live0 = n0 + g < p.H, live1 = n0 + g + 8 < p.H;
+  const int n0 = blockIdx.x * GROUP;
+  const uint32_t rows = n0 + GROUP <= p.H ? 0xFFFFu : (1u << (p.H - n0)) - 1;  // neurons < H
+  uint32_t phase = 0;
   // The gate weights do not depend on the kernels before this one: their copy starts now, and the
   // kernel launched before (programmatic stream serialization) may still be finishing.
-  issue_rows(p.w_gate, n0, live0, live1, p.D, warp, lane, 0, stage);
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_async_smem();
+    issue_chunk(p.w_gate, n0, rows, p.D, 0, kc, stage, bar);
+  }
+  __syncthreads();  // the barrier is initialised before any thread waits on it
   asm volatile("griddepcontrol.wait;" ::: "memory");
   // The down kernel may be scheduled now; it waits for this grid's end before reading anything.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -175,7 +220,7 @@ __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
     for (int i = threadIdx.x; i < p.D / COLS; i += blockDim.x) p.counters[i] = 0;
   if (threadIdx.x == 0) *mask = 0;
   float acc[NT][4];
-  group_product<NT>(p.w_gate, n0, live0, live1, p.x, p.M, p.D, warp, lane, stage, true, acc);
+  group_product<NT>(p.w_gate, n0, rows, p.x, p.M, p.D, kc, warp, lane, stage, bar, phase, true, acc);
   reduce_warps<NT>(acc, part, gate, warp, lane);
   for (int v = threadIdx.x; v < GROUP * MP; v += blockDim.x) {
     const int neuron = v / MP, row = v % MP;
@@ -188,7 +233,9 @@ __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
   const uint32_t m = *mask;
   if (threadIdx.x == 0) p.gmask[blockIdx.x] = m;
   if (m == 0) return;
-  group_product<NT>(p.w_up, n0, (m >> g) & 1, (m >> (g + 8)) & 1, p.x, p.M, p.D, warp, lane, stage, false, acc);
+  // The staging area (last written as the warps' partial sums) is reused: group_product fences and
+  // synchronises the CTA before the copies.
+  group_product<NT>(p.w_up, n0, m, p.x, p.M, p.D, kc, warp, lane, stage, bar, phase, false, acc);
   reduce_warps<NT>(acc, part, up, warp, lane);
   // h rows of the active neurons, MP bf16 each (16 bytes per 8 rows).
   for (int v = threadIdx.x; v < GROUP * NT; v += blockDim.x) {
@@ -331,7 +378,7 @@ cudaError_t launch_nt(const Params& p, cudaStream_t stream) {
   cfg.numAttrs = 1;
   cfg.gridDim = dim3(p.n_groups);
   cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = gate_up_smem<NT>();
+  cfg.dynamicSmemBytes = gate_up_smem<NT>(p.D);
   cudaError_t err = cudaFuncSetAttribute(gate_up_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(cfg.dynamicSmemBytes));
   if (err == cudaSuccess) err = cudaLaunchKernelEx(&cfg, gate_up_kernel<NT>, p);
