@@ -149,23 +149,25 @@ def _layer(w_gate, w_up, w_down_t):
 
 
 def test_module_picks_its_path_by_rows():
-    """"auto": the decoding op up to decode_rows rows, dense inside dense_rows, the large-batch op past it;
-    "kernel": the decoding op at few rows too; decode_rows = 0 turns the decoding op off."""
+    """"auto" (defaults): the decoding op up to decode_rows rows, dense inside dense_rows, the large-batch op
+    past it; "kernel": the decoding op at few rows too; decode_rows = 0 turns the decoding op off."""
     inp = calibrated_ffn_inputs(3000, 512, 1024, 6, tail=0.0, seed=11, device="cuda")
     w_down_t = inp.w_down.t().contiguous()
     f = _layer(inp.w_gate, inp.w_up, w_down_t)
-    f.dense_rows = (33, 2048)
     with torch.no_grad():
         f(inp.x)  # the first kernel call measures the layer's activity (sparse enough: stays on the kernels)
         assert f.last_path == "twell-kernel"
-        for m in (1, 7, 32):
+        for m in (1, 7, f.decode_rows):
             x = inp.x[:m].contiguous()
             out = f(x)
             assert f.last_path == "twell-kernel"
             assert torch.equal(out, kernels.decode_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t)), m
-        for m in (33, 500, 2048):
+        for m in (f.decode_rows + 1, 500, 2048):
             out = f(inp.x[:m])
             assert f.last_path == "dense" and "dense_rows" in f.auto_note, m
+        f.decode_rows, f.dense_rows = 32, (33, 2048)
+        x = inp.x[:32].contiguous()
+        assert torch.equal(f(x), kernels.decode_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t))
         x = inp.x[:2049].contiguous()
         assert torch.equal(f(x), kernels.sparse_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t))
         assert f.last_path == "twell-kernel"

@@ -54,11 +54,12 @@ def test_errors():
 
 def test_layer_row_settings_are_checked():
     from twell.nn import SparseFFN
-    from twell.nn.ffn import DEFAULT_DENSE_ROWS
+    from twell.nn.ffn import DEFAULT_DECODE_ROWS, DEFAULT_DENSE_ROWS
 
     f = SparseFFN(64, 32)
-    assert f.decode_rows == DECODE_MAX_ROWS and f.dense_rows == DEFAULT_DENSE_ROWS
-    assert DEFAULT_DENSE_ROWS[0] == DECODE_MAX_ROWS + 1
+    assert f.decode_rows == DEFAULT_DECODE_ROWS <= DECODE_MAX_ROWS and f.dense_rows == DEFAULT_DENSE_ROWS
+    assert DEFAULT_DENSE_ROWS[0] == DEFAULT_DECODE_ROWS + 1  # no row count between the two rules
+    f.decode_rows, f.dense_rows = DECODE_MAX_ROWS, None
     f.decode_rows, f.dense_rows = 0, None
     f.dense_rows = [40, 40]
     assert f.dense_rows == (40, 40)

@@ -24,9 +24,9 @@ and chooses *how* through one interface:
   recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
   that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
-``"auto"`` also runs dense for row counts in ``dense_rows`` (default 33-2048: too many rows for the
-decoding op, too few for the large-batch kernels to beat cuBLAS; ``twell.model.choose_row_paths``
-times both per layer and sets it). On the kernels, a gated layer called on at most ``decode_rows`` rows (32: token-by-token generation) runs the decoding op
+``"auto"`` also runs dense for row counts in ``dense_rows`` (default 17-2048: too many rows for the
+decoding op, too few for the large-batch kernels to beat cuBLAS). On the kernels, a gated layer called
+on at most ``decode_rows`` rows (16 by default, at most 32: token-by-token generation) runs the decoding op
 ``decode_gated_ffn``, which reads only the active neurons' up and down weight rows. Otherwise it runs
 its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
 call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"auto"`` measuring):
@@ -75,8 +75,11 @@ from twell.reference.decode import DECODE_MAX_ROWS
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 
 PATHS = ("auto", "dense", "reference", "kernel")
+# Row counts up to which the kernel path takes the decoding op by default (SparseFFN.decode_rows): on an
+# H200 it ran 1.27-1.51x dense at 16 rows and 0.81-1.10x at 32 (docs/decoding.md), so 17-32 rows go dense.
+DEFAULT_DECODE_ROWS = 16
 # Row counts that "auto" runs dense by default (SparseFFN.dense_rows).
-DEFAULT_DENSE_ROWS = (DECODE_MAX_ROWS + 1, 2048)
+DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2048)
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
 
@@ -182,11 +185,11 @@ class SparseFFN(nn.Module):
         self.last_path: Optional[str] = None
         # Row counts up to this take the decoding op on the sparse paths (twell.kernels.decode_gated_ffn:
         # reads only the active neurons' up and down rows); 0 turns it off.
-        self.decode_rows = DECODE_MAX_ROWS
+        self.decode_rows = DEFAULT_DECODE_ROWS
         # "auto" runs dense for row counts in this closed range (None: never by row count). Between the
         # decoding op's sizes and a few thousand rows, dense cuBLAS beats both sparse ops on an H200
-        # (docs/decoding.md: calibrated layers at 0.14-1.1% active, 64 and 256 rows: 0.46-0.97x).
-        # twell.model.choose_row_paths sets it per layer from timings instead.
+        # (docs/decoding.md: calibrated layers at 0.14-1.1% active, 32 to 256 rows: 0.46-0.97x but for
+        # the sparsest case at 32 rows).
         self.dense_rows = DEFAULT_DENSE_ROWS
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
