@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from twell.bench.__main__ import main as bench_main
-from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, write_outputs
+from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, static_greedy, write_outputs
 from twell.model import ModelConfig, build_model, save_pretrained
 from twell.reports import efficiency
 
 matplotlib.use("Agg")
 
 SMALL = dict(device="cpu", prefill_batches=(2,), seq_len=16, decode_batches=(1, 2), prompt_len=8, new_tokens=4,
-             train_batch=2, train_steps=1, reps=2, warmup=1, energy=False, decode_static=False)
+             train_batch=2, train_steps=1, reps=2, warmup=1, energy=False, decode_static=False, decode_graph=False)
 
 
 def _checkpoint(path, seed):
@@ -71,6 +71,29 @@ def test_static_cache_decode_rows_and_greedy_token_check(pair):
     tc = res["token_check"]
     assert tc["same"] and tc["all_divergences_near_ties"] and tc["rows"] == [{"first_diff": None}]
     assert "identical" in markdown_report(res)
+
+
+def test_static_greedy_gives_generate_s_tokens():
+    """The CUDA-graph decoder's loop (eager here) with a static KV cache: the tokens of greedy generate."""
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                     max_position_embeddings=64, init_std=0.3)
+    m = build_model(mc).eval()
+    prompt = torch.randint(0, 97, (2, 9))
+    with torch.inference_mode():
+        tokens, secs = static_greedy(m, prompt, 12)
+        ref = m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                         min_new_tokens=12, do_sample=False, pad_token_id=0)[:, 9:]
+    assert torch.equal(tokens, ref) and secs > 0
+    assert len(set(tokens.flatten().tolist())) > 6  # a varied sequence, not one token repeated
+
+
+def test_graph_decode_rows_and_their_token_check(pair):
+    cfg = {**SMALL, "train_batch": 0, "decode_batches": (2,), "decode_graph": True, "token_check": True}
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], **cfg), progress=False)
+    assert [r["measure"] for r in res["rows"]] == ["prefill", "decode", "decode-graph"], res["decode_errors"]
+    assert res["rows"][-1]["sparse"]["tokens_per_s"] > 0
+    assert res["token_check"]["graph"]["same"] and "CUDA-graph decoder" in markdown_report(res)
 
 
 def test_bad_settings():

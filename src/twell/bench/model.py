@@ -68,6 +68,7 @@ class ModelBenchConfig:
     energy: bool = True
     energy_seconds: float = 2.0
     decode_static: bool = True                   # also decode with a static KV cache, compiled (CUDA graphs)
+    decode_graph: bool = True                    # also greedy decode with each step replayed from a CUDA graph
     token_check: bool = True                     # greedy tokens of the sparse weights, sparse path vs dense path
     tokens: Optional[str] = None                 # prepared data dir or .npy of token ids (default: random ids)
     tokens_split: str = "val"
@@ -160,6 +161,88 @@ def _generate_static(model, prompt: torch.Tensor, new: int, pad: int) -> torch.T
                           cache_implementation="static")
 
 
+def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> tuple[torch.Tensor, float]:
+    """Greedy decoding of ``new`` tokens after ``prompt`` with a static KV cache: ``(tokens [b, new], seconds)``,
+    the seconds those of the ``new - 1`` steps after the prompt's forward. With ``graph`` (CUDA) each step's
+    forward and argmax replay one CUDA graph, so launch overhead does not decide the comparison
+    (BENCHMARK.md); otherwise the same steps run eagerly. Same tokens as ``generate`` with greedy search."""
+    from transformers import StaticCache
+
+    b, P = prompt.shape
+    device = prompt.device
+    cache = StaticCache(config=model.config, max_cache_len=P + new)
+    logits = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(P, device=device),
+                   use_cache=True).logits[:, -1]
+    out = torch.empty(b, new, dtype=torch.long, device=device)
+    out[:, 0] = logits.argmax(-1)
+    ids = out[:, :1].clone()
+    pos = torch.tensor([P], device=device)
+
+    def step() -> torch.Tensor:
+        return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
+
+    # Warm-up steps (before a capture) write position P's cache entry, which the first real step writes
+    # again; but transformers' static cache layers also count the tokens they hold (cumulative_length, the
+    # slot of the next write, whatever cache_position says), so the counters are put back after them.
+    counters = [c for c in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", []))
+                if isinstance(c, torch.Tensor)]
+    saved = [c.clone() for c in counters]
+    use_graph = graph and device.type == "cuda" and new > 1
+    if use_graph:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+    elif new > 1:
+        step()  # the same warm-up without a graph, so that both loops start from the same restored state
+    for c, v in zip(counters, saved):
+        c.copy_(v)
+    run = step
+    if use_graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            nxt = step()
+
+        def run() -> torch.Tensor:
+            g.replay()
+            return nxt
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(1, new):
+        tok = run()
+        out[:, i] = tok
+        ids.copy_(tok[:, None])
+        pos += 1
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device) -> dict:
+    b = prompt.shape[0]
+    row = {"measure": "decode-graph", "batch": b, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+    tokens = {}
+    reps = max(1, cfg.reps // 3)
+    for side, m in models.items():
+        # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying the
+        # graph decodes what the eager steps decode
+        eager, _ = static_greedy(m, prompt, 8, graph=False)
+        graphed, _ = static_greedy(m, prompt, 8)
+        if not torch.equal(eager, graphed):
+            raise RuntimeError(f"{side}: the CUDA-graph decoder's tokens differ from the eager steps' "
+                               f"({graphed.tolist()} vs {eager.tolist()})")
+        times = []
+        for _ in range(reps):
+            tokens[side], secs = static_greedy(m, prompt, cfg.new_tokens)
+            times.append(secs)
+        secs = float(np.median(times))
+        row[side] = {"seconds": secs, "tokens_per_s": b * (cfg.new_tokens - 1) / secs,
+                     "peak_bytes": peak_memory_above_baseline(lambda: static_greedy(m, prompt, cfg.new_tokens), device)}
+    row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+    return row
+
+
 def _decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", pad: int, device: torch.device,
                 gen: Callable, mode: str) -> dict:
     b = prompt.shape[0]
@@ -176,6 +259,24 @@ def _decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", pad
                      "peak_bytes": peak_memory_above_baseline(lambda: gen(m, prompt, cfg.new_tokens, pad), device)}
     row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
     return row
+
+
+def graph_token_check(model, prompt: torch.Tensor, new: int, sparse_path: str = "auto") -> dict:
+    """The greedy tokens of :func:`static_greedy` (the timed decoder), sparse weights on the sparse path
+    against the dense path: ``same`` and the first differing new token per row."""
+    from twell.model import set_ffn_path
+
+    toks = {}
+    try:
+        for path in ("dense", sparse_path):
+            set_ffn_path(model, path)
+            static_greedy(model, prompt, 2)
+            toks[path] = static_greedy(model, prompt, new)[0]
+    finally:
+        set_ffn_path(model, sparse_path)
+    diff = [(toks["dense"][r] != toks[sparse_path][r]).nonzero() for r in range(prompt.shape[0])]
+    first = [None if d.numel() == 0 else int(d[0]) for d in diff]
+    return {"same": all(f is None for f in first), "first_diff": first, "new_tokens": new}
 
 
 def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_path: str = "auto") -> dict:
@@ -320,12 +421,22 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
                     rows.append(_decode_row(models, prompt, cfg, pad, device, _generate_static, "static"))
                 except Exception as exc:  # recorded in the result, the other measurements go on
                     decode_errors[f"static, batch {b}"] = f"{type(exc).__name__}: {exc}"[:500]
+            if cfg.decode_graph:
+                try:
+                    rows.append(_graph_decode_row(models, prompt, cfg, device))
+                except Exception as exc:
+                    decode_errors[f"graph, batch {b}"] = f"{type(exc).__name__}: {exc}"[:500]
         bar.update(1)
     token_check = None
     if cfg.token_check:
         prompt = ids[: cfg.prompt_len].view(1, cfg.prompt_len).to(device)
         with torch.inference_mode():
             token_check = greedy_token_check(sparse, prompt, cfg.new_tokens, pad, cfg.sparse_path)
+            if cfg.decode_graph:
+                try:
+                    token_check["graph"] = graph_token_check(sparse, prompt, cfg.new_tokens, cfg.sparse_path)
+                except Exception as exc:
+                    decode_errors["graph token check"] = f"{type(exc).__name__}: {exc}"[:500]
 
     if cfg.train_batch:
         x = ids[: cfg.train_batch * (seq + 1)].view(cfg.train_batch, seq + 1).to(device)
@@ -391,9 +502,10 @@ def markdown_report(res: dict) -> str:
         lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
         if tr[0]["sparse"].get("notes"):
             lines.append(f"Layers left dense by the backend: {'; '.join(tr[0]['sparse']['notes'])}")
-    if any(r["measure"] == "decode-static" for r in res["rows"]):
-        lines += ["", "decode-static: greedy generate with a static KV cache, compiled by transformers (CUDA graphs), "
-                      "both sides alike; decode: the eager loop."]
+    if any(r["measure"] in ("decode-static", "decode-graph") for r in res["rows"]):
+        lines += ["", "decode: greedy generate, eager; decode-static: generate with a static KV cache (transformers "
+                      "compiles the step where it can); decode-graph: greedy steps with a static KV cache, each step's "
+                      "forward and argmax replayed from one CUDA graph (launch overhead out). Both sides alike."]
     for k, v in (res.get("decode_errors") or {}).items():
         lines.append(f"Decode {k} failed: {v}")
     tc = res.get("token_check")
@@ -405,6 +517,10 @@ def markdown_report(res: dict) -> str:
                                           f"{r['first_diff']} (top-2 margin {r['margin']:.3g}, bf16 step "
                                           f"{r['bf16_step']:.3g}: {'a near-tie' if r['near_tie'] else 'NOT a near-tie'})"
                                           for r in diffs) + ".")]
+        if tc.get("graph"):
+            g = tc["graph"]
+            lines.append("Greedy tokens of the CUDA-graph decoder, same comparison: " + (
+                "identical." if g["same"] else f"first divergence at new token(s) {g['first_diff']}."))
     code = meta.get("code") or {}
     lines += ["", f"Code: commit {code.get('commit') or '-'} (matches: {code.get('matches_commit')})"]
     return "\n".join(lines) + "\n"
