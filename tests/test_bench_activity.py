@@ -132,3 +132,29 @@ def test_tokens_of_another_vocabulary_raise(ckpt, tmp_path):
         checkpoint_activity(ckpt, tmp_path / "ids.npy", seq=8)
     with pytest.raises(ValueError, match=r"ids must be \[sequences"):
         model_activity_profile(load_pretrained(ckpt, device="cpu", load_tokenizer=False)[0], torch.zeros(4, 1).long())
+
+
+def test_activity_table_figure_and_findings():
+    """Notebook 02's view of an activity result: one row per model and layer, a figure, two sentences."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from twell.train import plots, study
+
+    def model(per_layer, first):
+        L, bins = len(per_layer), 4
+        return {"tokens": 64, "active_mean_per_layer": [10 * a for a in per_layer], "active_frac_per_layer": per_layer,
+                "active_frac_mean": sum(per_layer) / L, "dead_frac_per_layer": [0.1] * L,
+                "active_quantiles_per_layer": {"p50": [1] * L, "p99": [5] * L, "max": [9] * L},
+                "positions": {"edges": [0, 4, 8, 12, 16], "active": [[first * a] + [a] * (bins - 1) for a in per_layer]}}
+
+    res = {"label": "t", "models": {"sparse": model([0.03, 0.001, 0.02], 4.0), "dense": model([0.1, 0.05, 0.2], 1.5)}}
+    t = plots.activity_table(res)
+    assert len(t) == 6 and list(t["model"].unique()) == ["sparse", "dense"]
+    assert t.loc[t["model"] == "sparse", "first bin / later bins"].tolist() == pytest.approx([4.0] * 3)
+    plots.plot_checkpoint_activity(res, title="t")
+    text = study.activity_findings(res)
+    assert "sparse: least active layer 1 (0.10% of H), most active layer 0 (3.00%)" in text
+    assert "4.0-4.0x" in text and "dense: least active layer 1" in text
+    with pytest.raises(ValueError, match="twell.bench activity"):
+        plots.activity_table({"label": "x"})

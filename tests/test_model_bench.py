@@ -120,3 +120,10 @@ def test_cli_and_table(pair, tmp_path, capsys):
 def test_missing_checkpoint_names_what_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="train it first"):
         efficiency.run_scales({"x": {"sparse": "runs/nowhere/final"}}, tmp_path, **SMALL)
+
+
+def test_paper_scale_of_row_labels():
+    """Rows labelled by config name ("0p5b (5000 steps)") meet the paper's number for that scale."""
+    assert efficiency.paper_scale("0p5b (5000 steps)") == "0.5B"
+    assert efficiency.paper_scale("1p5b") == "1.5B" and efficiency.paper_scale("2B") == "2B"
+    assert efficiency.paper_scale("small") == "small" and efficiency.paper_scale("tiny") == "tiny"

@@ -5,6 +5,7 @@ three figures (speed-up per scale, energy per token, memory)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
@@ -66,6 +67,15 @@ def _gain(r: Optional[dict]) -> Optional[float]:
     return None if r is None else r["speedup"] - 1.0
 
 
+def paper_scale(label: str) -> str:
+    """The paper's name of the scale a row label starts with: "0.5B", or a config name such as "0p5b" or
+    "1p5b (5000 steps)" -> "0.5B" / "1.5B"; the label itself when it starts with no scale."""
+    m = re.match(r"\s*(\d+)(?:[p.](\d+))?\s*b\b", label, flags=re.IGNORECASE)
+    if not m:
+        return label
+    return f"{m.group(1)}{'.' + m.group(2) if m.group(2) else ''}B"
+
+
 def efficiency_table(results: list[dict]):
     """One row per scale: our measurements (dense, sparse, change) and the paper's in its own columns."""
     import pandas as pd
@@ -97,8 +107,8 @@ def efficiency_table(results: list[dict]):
             "training tok/s dense": tr["dense"]["tokens_per_s"] if tr else None,
             "training tok/s sparse": tr["sparse"]["tokens_per_s"] if tr else None,
             "training gain %": None if tr is None else 100 * _gain(tr),
-            "paper: inference gain %": (None if m["label"] not in PAPER["inference"]
-                                        else 100 * PAPER["inference"][m["label"]]),
+            "paper: inference gain %": (None if paper_scale(m["label"]) not in PAPER["inference"]
+                                        else 100 * PAPER["inference"][paper_scale(m["label"])]),
             "paper: training gain % (range over scales)": "{:+.1f} to {:+.1f}".format(
                 *(100 * v for v in PAPER["training_range"])),
             "paper: energy change % (range over scales)": "{:+.0f} to {:+.0f}".format(

@@ -186,6 +186,7 @@ def plot_l1_sweep(table, title: str | None = None, claim: tuple[float, float] = 
     L1 = 0 run, and dead fraction, each against the coefficient (L1 = 0 drawn at the left edge). The
     paper's claim, CE within about ``claim[1]``% of dense up to ``claim[0]``, is drawn on the CE panel."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     coefs = table["L1 coef"].to_numpy(float)
     pos = coefs[coefs > 0]
@@ -197,6 +198,10 @@ def plot_l1_sweep(table, title: str | None = None, claim: tuple[float, float] = 
                           (axes[2], "dead %", "dead neurons (% of width)")):
         ax.plot(x, table[col], "o-")
         ax.set(xscale="log", xlabel="L1 coefficient (leftmost point: 0)", ylabel=name, title=name)
+        # ticks at the swept coefficients (labelled "0" for the L1 = 0 run): the log axis's own minor labels
+        # of a decade this short overlap
+        ax.set_xticks(x, ["0" if c == 0 else f"{c:g}" for c in coefs], fontsize=7)
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].axhspan(-claim[1], claim[1], color="tab:green", alpha=0.12,
@@ -282,3 +287,59 @@ def summary_table(runs: Runs, summaries: Mapping[str, "str | Path | dict"] | Non
             row["data"] = summ["data"]["label"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _activity_models(result: "str | Path | dict") -> dict:
+    """The ``models`` of a ``python -m twell.bench activity`` result (a JSON path or the dict)."""
+    res = result if isinstance(result, dict) else json.loads(Path(result).read_text())
+    if "models" not in res or not res["models"]:
+        raise ValueError("expected the JSON of `python -m twell.bench activity` (a 'models' mapping)")
+    return res["models"]
+
+
+def activity_table(result: "str | Path | dict"):
+    """One row per layer and model of a ``python -m twell.bench activity`` result: active neurons per token
+    (mean, % of H, median, p99), dead neurons (active on none of the tokens) and the first-bin / later ratio
+    of the position profile (how much more active the first tokens are)."""
+    import pandas as pd
+
+    rows = []
+    for name, m in _activity_models(result).items():
+        q = m["active_quantiles_per_layer"]
+        for layer, mean in enumerate(m["active_mean_per_layer"]):
+            bins = m["positions"]["active"][layer]
+            later = float(np.mean(bins[1:])) if len(bins) > 1 else float("nan")
+            rows.append({"model": name, "layer": layer, "active / token": mean,
+                         "active %": 100 * m["active_frac_per_layer"][layer], "p50": q["p50"][layer],
+                         "p99": q["p99"][layer], "dead %": 100 * m["dead_frac_per_layer"][layer],
+                         "first bin / later bins": bins[0] / later if later else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def plot_checkpoint_activity(result: "str | Path | dict", title: str | None = None):
+    """A checkpoint's activity on held-out tokens (``python -m twell.bench activity``): active neurons per
+    token by layer (each model), and by token position for every layer of each model (log scale)."""
+    import matplotlib.pyplot as plt
+
+    models = _activity_models(result)
+    fig, axes = plt.subplots(1, 1 + len(models), figsize=(4.2 * (1 + len(models)), 3.8))
+    ax = axes[0]
+    width = 0.8 / len(models)
+    for i, (name, m) in enumerate(models.items()):
+        layers = np.arange(len(m["active_frac_per_layer"]))
+        ax.bar(layers + (i - (len(models) - 1) / 2) * width, 100 * np.array(m["active_frac_per_layer"]), width,
+               label=f"{name} (mean {100 * m['active_frac_mean']:.2f}%)", color=f"C{i}")
+    ax.set(xlabel="layer", ylabel="active neurons per token (% of H)", yscale="log", title="by layer")
+    ax.grid(alpha=0.3, which="both", axis="y")
+    ax.legend(fontsize=8)
+    for ax, (name, m) in zip(axes[1:], models.items()):
+        edges = np.array(m["positions"]["edges"])
+        centers = (edges[:-1] + edges[1:] - 1) / 2
+        for layer, act in enumerate(m["positions"]["active"]):
+            ax.plot(centers, act, "o-", ms=2, lw=1, color=plt.cm.viridis(layer / max(1, len(m["positions"]["active"]) - 1)),
+                    label=f"layer {layer}")
+        ax.set(xlabel="token position", ylabel="active neurons per token", yscale="log",
+               title=f"{name}: by position ({m['tokens']} tokens)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6, ncol=2)
+    return _finish(fig, title)

@@ -192,3 +192,43 @@ def training_kernel_bench(bench_dir: str | Path | None = None):
                      "sparse peak MB": mb(k.get("peak_bytes_above_inputs")),
                      "dense uJ/token": uj(d.get("joules_per_token")), "sparse uJ/token": uj(k.get("joules_per_token"))})
     return pd.DataFrame(rows), path
+
+
+def activity_of_runs(runs: Mapping[str, str | Path], device: str = "cpu", max_tokens: int | None = None,
+                     seq: int | None = None) -> dict:
+    """``python -m twell.bench activity`` for finished runs (``label -> run directory`` holding ``final/`` and
+    ``summary.json``), each on the held-out split of the data it trained on: the same JSON layout
+    (``{"label", "meta", "models": {label: ...}}``) that :func:`twell.train.plots.activity_table` reads."""
+    import json
+
+    from twell.bench.activity import checkpoint_activity
+
+    models = {}
+    for label, run_dir in runs.items():
+        run_dir = Path(run_dir)
+        if not run_dir.is_absolute():
+            run_dir = repo_root() / run_dir
+        summary = run_dir / "summary.json"
+        if not (run_dir / "final").is_dir() or not summary.is_file():
+            raise FileNotFoundError(f"{run_dir}: expected a finished run (final/ and summary.json); train it first")
+        prepared = json.loads(summary.read_text())["data"].get("prepared_dir")
+        if not prepared:
+            raise ValueError(f"{summary} records no prepared data directory to take held-out tokens from")
+        models[label] = checkpoint_activity(run_dir / "final", prepared, seq=seq, max_tokens=max_tokens, device=device)
+    return {"label": ", ".join(runs), "meta": {"device": device}, "models": models}
+
+
+def activity_findings(result: dict) -> str:
+    """Two sentences from an activity result: which layers are most and least active in each model, and
+    how much more active the first position bin is than the later ones."""
+    from twell.train.plots import activity_table
+
+    t = activity_table(result)
+    out = []
+    for name, g in t.groupby("model", sort=False):
+        order = g.sort_values("active %")
+        ratio = g["first bin / later bins"]
+        out.append(f"{name}: least active layer {int(order.iloc[0]['layer'])} ({order.iloc[0]['active %']:.2f}% of H), "
+                   f"most active layer {int(order.iloc[-1]['layer'])} ({order.iloc[-1]['active %']:.2f}%); the first "
+                   f"position bin holds {ratio.min():.1f}-{ratio.max():.1f}x the later bins' active neurons per token")
+    return ". ".join(out) + "."
