@@ -198,3 +198,21 @@ def test_module_decodes_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_choose_row_paths_times_each_layer_on_the_gpu():
+    """twell.model.choose_row_paths with its real timing (CUDA graph replays): every row count that fits is
+    timed for both paths and the layer gets the settings the report gives."""
+    from twell.model import ModelConfig, build_model, choose_row_paths, sparse_ffns
+
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2,
+                     num_kv_heads=2, max_position_embeddings=128)
+    model = build_model(mc).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 97, (1, 128), device="cuda")
+    report = choose_row_paths(model, input_ids=ids, rows=(1, 16, 64, 4096), reps=5)
+    for r, f in zip(report, sparse_ffns(model)):
+        assert r["why"] is None, r["why"]
+        assert sorted(r["times"]) == [1, 16, 64]
+        assert all(t["dense"] > 0 and t["sparse"] > 0 for t in r["times"].values())
+        assert (f.decode_rows, f.dense_rows) == (r["decode_rows"], r["dense_rows"])

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.provenance import code_line, provenance
-from twell.bench.timing import time_alternating
+from twell.bench.timing import graphed, time_alternating
 from twell.reference.decode import DECODE_MAX_ROWS
 
 DECODE_ROWS = (1, 4, 16, 64, 256, 2048)
@@ -72,20 +72,6 @@ class DecodeBenchConfig:
             raise ValueError(f"reps must be >= 1 and warmup >= 0, got {self.reps}, {self.warmup}")
         if self.D % 64 or self.D <= 0 or self.H < 1:
             raise ValueError(f"D must be a positive multiple of 64 and H >= 1, got D={self.D}, H={self.H}")
-
-
-def _graphed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[Callable[[], object], torch.Tensor]:
-    """(replay, output) of fn captured in a CUDA graph (after warm-up calls on a side stream)."""
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph.replay, out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -184,7 +170,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True) -> dict:
         for name, fn in fns.items():
             try:
                 if graphs:
-                    timed[name], outs[name] = _graphed(fn, device)
+                    timed[name], outs[name] = graphed(fn, device)
                 else:
                     timed[name], outs[name] = fn, None
             except Exception as exc:  # reported, not hidden: the row says which implementation failed

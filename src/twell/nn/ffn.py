@@ -25,7 +25,8 @@ and chooses *how* through one interface:
   that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
 ``"auto"`` also runs dense for row counts in ``dense_rows`` (default 17-2048: too many rows for the
-decoding op, too few for the large-batch kernels to beat cuBLAS). On the kernels, a gated layer called
+decoding op, too few for the large-batch kernels to beat cuBLAS; ``twell.model.choose_row_paths`` sets
+``decode_rows`` and ``dense_rows`` per layer from timings). On the kernels, a gated layer called
 on at most ``decode_rows`` rows (16 by default, at most 32: token-by-token generation) runs the decoding op
 ``decode_gated_ffn``, which reads only the active neurons' up and down weight rows. Otherwise it runs
 its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
