@@ -330,6 +330,7 @@ def plot_checkpoint_activity(result: "str | Path | dict", title: str | None = No
         ax.bar(layers + (i - (len(models) - 1) / 2) * width, 100 * np.array(m["active_frac_per_layer"]), width,
                label=f"{name} (mean {100 * m['active_frac_mean']:.2f}%)", color=f"C{i}")
     ax.set(xlabel="layer", ylabel="active neurons per token (% of H)", yscale="log", title="by layer")
+    ax.set_xticks(np.arange(max(len(m["active_frac_per_layer"]) for m in models.values())))
     ax.grid(alpha=0.3, which="both", axis="y")
     ax.legend(fontsize=8)
     for ax, (name, m) in zip(axes[1:], models.items()):
