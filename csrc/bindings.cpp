@@ -251,7 +251,8 @@ at::Tensor decode_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
   TORCH_CHECK(M >= 1 && M <= twell::kDecodeMaxRows, "twell.decode_ffn: takes 1 to ", twell::kDecodeMaxRows,
               " rows, got ", M);
   TORCH_CHECK(D >= 64 && D % 64 == 0, "twell.decode_ffn: D must be a positive multiple of 64, got ", D);
-  TORCH_CHECK(H >= 1 && H <= (int64_t(1) << 24), "twell.decode_ffn: H must be in [1, 2^24], got ", H);
+  TORCH_CHECK(H >= 1 && H <= twell::kDecodeMaxH, "twell.decode_ffn: H must be in [1, ", twell::kDecodeMaxH, "], got ",
+              H);
   at::Tensor out = at::empty({M, D}, x.options());
   const int64_t bytes = int64_t(twell::decode_workspace_bytes(int(M), int(D), int(H)));
   at::Tensor work = at::empty({(bytes + 15) / 16 * 4}, x.options().dtype(at::kInt));

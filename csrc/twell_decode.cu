@@ -404,8 +404,8 @@ size_t decode_workspace_bytes(int M, int D, int H) {
 
 cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t, void* out,
                               void* workspace, int M, int D, int H, cudaStream_t stream) {
-  if (M < 1 || M > kDecodeMaxRows || D % dec::COLS != 0 || D <= 0 || H < 1) {
-    set_error("decode FFN: needs 1 <= M <= 32, D a positive multiple of 64, H >= 1");
+  if (M < 1 || M > kDecodeMaxRows || D % dec::COLS != 0 || D <= 0 || H < 1 || H > kDecodeMaxH) {
+    set_error("decode FFN: needs 1 <= M <= 32, D a positive multiple of 64, 1 <= H <= 2^18");
     return cudaErrorInvalidValue;
   }
   dec::Params p;

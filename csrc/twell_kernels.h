@@ -100,6 +100,7 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
 // D a positive multiple of 64; workspace: decode_workspace_bytes(M, D, H) bytes, 16-byte aligned, no
 // initialisation needed. Two kernels, no host synchronisation; deterministic.
 constexpr int kDecodeMaxRows = 32;
+constexpr int kDecodeMaxH = 1 << 18;  // the down kernel lists a range of neuron groups in shared memory
 size_t decode_workspace_bytes(int M, int D, int H);
 cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t, void* out,
                               void* workspace, int M, int D, int H, cudaStream_t stream);

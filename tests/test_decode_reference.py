@@ -50,6 +50,11 @@ def test_errors():
         decode_gated_ffn(x[:2], w_gate, w_up[:4], w_down_t)
     with pytest.raises(TypeError, match="bfloat16"):
         decode_gated_ffn(x[:2].float(), w_gate, w_up, w_down_t)
+    from twell.reference.decode import DECODE_MAX_H
+
+    wide = torch.zeros(DECODE_MAX_H + 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="hidden units"):
+        decode_gated_ffn(x[:1], wide, wide, wide)
 
 
 def test_layer_row_settings_are_checked():
@@ -82,3 +87,24 @@ def test_cpu_layer_keeps_the_reference_at_few_rows():
         out = f(x)
         assert f.last_path == "twell-reference"
         assert torch.equal(out, sparse_gated_ffn(x, f.gate_proj.weight, f.up_proj.weight, f.w_down_t()))
+
+
+def test_auto_measures_activity_on_a_dense_rows_call(monkeypatch):
+    """A first call that "auto" runs dense by row count (a prefill) still measures the layer's activity, on all
+    its tokens; a denser layer than auto_max_active then runs dense at every row count. (The kernels' route is
+    forced on CPU: only the dense path runs here.)"""
+    from twell.nn import SparseFFN
+
+    f = SparseFFN(64, 96).to(torch.bfloat16)
+    monkeypatch.setattr(f, "auto_route", lambda x: ("kernel", ""))
+    x = torch.randn(100, 64).bfloat16()  # inside dense_rows (17-2048)
+    with torch.no_grad():
+        out = f(x)
+        want = f.down_proj(torch.relu(f.gate_proj(x)) * f.up_proj(x))
+    assert torch.equal(out, want) and f.last_path == "dense" and "dense_rows" in f.auto_note
+    assert f._auto_dense is True  # a random layer: about half its neurons active, far above 1.25%
+    f.reset_auto()
+    f.auto_max_active = 0.99
+    with torch.no_grad():
+        f(x)
+    assert f._auto_dense is False

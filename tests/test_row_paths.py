@@ -18,6 +18,9 @@ from twell.model.row_paths import ALL_ROWS, row_rule
     ({1: True, 64: False, 128: True, 256: False}, (1, (2, ALL_ROWS))),  # past the grid: the largest count lost
     ({1: True, 8: True, 64: True, 128: True}, (8, (9, 63))),        # large-batch op from 64 on, decode up to 8
     ({48: True, 64: True}, (0, (1, 47))),
+    # a loss inside the decoding op's range: its wins above it are not the large-batch op's
+    ({1: True, 4: False, 8: True, 16: True, 32: True, 64: True, 128: True}, (1, (2, 63))),
+    ({1: False, 2: True, 32: True}, (0, (1, ALL_ROWS))),
 ])
 def test_row_rule(wins, expect):
     assert row_rule(wins) == expect
@@ -63,6 +66,6 @@ def test_choose_row_paths_leaves_layers_it_cannot_time():
     assert "path 'dense'" in report[1]["why"] and ffns[1].dense_rows == before[1]
     assert (ffns[0].decode_rows, ffns[0].dense_rows) == (0, (1, ALL_ROWS))
     untimed = choose_row_paths(model, input_ids=torch.randint(0, 97, (1, 16)))  # CPU, no timer: nothing to time
-    assert untimed[0]["why"].startswith("kernels unavailable") and untimed[0]["times"] == {}
+    assert untimed[0]["why"].startswith("input on cpu") and untimed[0]["times"] == {}
     with pytest.raises(ValueError, match="min_gain"):
         choose_row_paths(model, input_ids=torch.randint(0, 97, (1, 8)), min_gain=1.5)

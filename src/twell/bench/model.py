@@ -222,7 +222,6 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> 
 def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device) -> dict:
     b = prompt.shape[0]
     row = {"measure": "decode-graph", "batch": b, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
-    tokens = {}
     reps = max(1, cfg.reps // 3)
     for side, m in models.items():
         # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying the
@@ -234,7 +233,7 @@ def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig
                                f"({graphed.tolist()} vs {eager.tolist()})")
         times = []
         for _ in range(reps):
-            tokens[side], secs = static_greedy(m, prompt, cfg.new_tokens)
+            _, secs = static_greedy(m, prompt, cfg.new_tokens)
             times.append(secs)
         secs = float(np.median(times))
         row[side] = {"seconds": secs, "tokens_per_s": b * (cfg.new_tokens - 1) / secs,

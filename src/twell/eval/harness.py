@@ -347,8 +347,11 @@ def evaluate_model(
     # With every task skipped no forward ran: there is no path to check (the skipped tasks are the result).
     observed = check_ffn_path(model, ffn_path) if built.tasks else observed_ffn_paths(model)
     if ffn_path == "auto" and observed and not set(observed) & SPARSE_LAST_PATHS:
-        notes = [*notes, f"FFN path 'auto' ran every SparseFFN dense ({observed}): no sparse path fits this model "
-                         f"({str(next(model.parameters()).dtype).replace('torch.', '')}; the sparse paths need bfloat16)"]
+        from twell.model import sparse_ffns
+
+        why = sorted({f.auto_note for f in sparse_ffns(model) if f.auto_note})
+        notes = [*notes, f"FFN path 'auto' ran every SparseFFN dense ({observed}): "
+                         + ("; ".join(why) if why else "no reason recorded by the layers")]
         warnings.warn(f"{name}: {notes[-1]}", stacklevel=2)
 
     out: dict[str, TaskResult] = {}

@@ -236,7 +236,11 @@ def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) 
 
     Reads ``w_gate`` in full and only the active neurons' rows of ``w_up`` and ``w_down_t``: two
     kernels (csrc/twell_decode.cu), no host synchronisation, deterministic, so it runs under CUDA
-    graphs. Same values as :func:`twell.reference.decode_gated_ffn` up to the order of fp32 sums."""
+    graphs. Same values as :func:`twell.reference.decode_gated_ffn` up to the order of fp32 sums.
+
+    The gate kernel starts copying ``w_gate`` before the kernel launched just before it has finished (it
+    reads x only after): do not write ``w_gate`` in place in the kernel right before this call on the same
+    stream (e.g. an optimizer step); anything earlier is complete."""
     check_decode_args(x, w_gate, w_up, w_down_t)
     _kernel_checks(x)
     check_aligned(x=x, w_gate=w_gate, w_up=w_up, w_down_t=w_down_t)

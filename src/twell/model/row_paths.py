@@ -26,7 +26,8 @@ def row_rule(wins: dict[int, bool], decode_max: int = DECODE_MAX_ROWS) -> tuple[
 
     Sparse runs only where every measured count of its segment won: the decoding op up to the largest
     count ``m <= decode_max`` such that it won at every measured count up to ``m``; the large-batch op from
-    the smallest measured count above that from which it won at every larger measured count. Row counts
+    the smallest measured count above ``decode_max`` from which it won at every larger measured count (the
+    counts up to ``decode_max`` timed the decoding op). Row counts
     between two measured ones take the safe side (dense), and so does everything past the grid when the
     largest count lost."""
     grid = sorted(wins)
@@ -37,7 +38,7 @@ def row_rule(wins: dict[int, bool], decode_max: int = DECODE_MAX_ROWS) -> tuple[
         decode_rows = m
     start = None  # the smallest count from which on the large-batch op won at every larger one
     for m in reversed(grid):
-        if m <= decode_rows or not wins[m]:
+        if m <= decode_max or not wins[m]:  # counts up to decode_max timed the decoding op, not this one
             break
         start = m
     hi = ALL_ROWS if start is None else start - 1
@@ -101,6 +102,8 @@ def choose_row_paths(model: nn.Module, *args: Any, rows: Sequence[int] = ROW_GRI
         row = {"layer": i, "tokens": 0 if x is None else int(x.shape[0]), "times": {}, "decode_rows": f.decode_rows,
                "dense_rows": f.dense_rows, "why": None}
         why = _not_timed(f, x)
+        if why is None and timer is None and not x.is_cuda:
+            why = f"input on {x.device}: nothing to time (the kernels run on CUDA inputs)"
         if why is None and timer is None:
             from twell import kernels
 

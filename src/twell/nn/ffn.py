@@ -18,15 +18,15 @@ and chooses *how* through one interface:
   other than bfloat16: no sparse path takes them); ``auto_route(x)`` says which, and why, without
   running it. ``last_path`` records what ran and ``auto_note``
   why auto left the kernels (or what decided it). Sparse paths need ``activation="relu"``. On its first
-  kernel call, ``"auto"`` also measures the layer's activity (one host sync, once): a layer with more
-  than ``auto_max_active`` of its neurons active per token runs dense from then on, and ``auto_note``
-  says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
+  call on the kernels' route (sparse, or dense by ``dense_rows``), ``"auto"`` also measures the layer's
+  activity (one host sync, once): a layer with more than ``auto_max_active`` of its neurons active
+  per token runs dense from then on, and ``auto_note`` says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
   recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
   that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
 ``"auto"`` also runs dense for row counts in ``dense_rows`` (default 17-2048: too many rows for the
-decoding op, too few for the large-batch kernels to beat cuBLAS; ``twell.model.choose_row_paths`` sets
-``decode_rows`` and ``dense_rows`` per layer from timings). On the kernels, a gated layer called
+decoding op, and too few for the large-batch kernels to beat cuBLAS on every layer up to 1.1% active;
+``twell.model.choose_row_paths`` sets ``decode_rows`` and ``dense_rows`` per layer from timings). On the kernels, a gated layer called
 on at most ``decode_rows`` rows (16 by default, at most 32: token-by-token generation) runs the decoding op
 ``decode_gated_ffn``, which reads only the active neurons' up and down weight rows. Otherwise it runs
 its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
@@ -187,10 +187,11 @@ class SparseFFN(nn.Module):
         # Row counts up to this take the decoding op on the sparse paths (twell.kernels.decode_gated_ffn:
         # reads only the active neurons' up and down rows); 0 turns it off.
         self.decode_rows = DEFAULT_DECODE_ROWS
-        # "auto" runs dense for row counts in this closed range (None: never by row count). Between the
-        # decoding op's sizes and a few thousand rows, dense cuBLAS beats both sparse ops on an H200
-        # (docs/decoding.md: calibrated layers at 0.14-1.1% active, 32 to 256 rows: 0.46-0.97x but for
-        # the sparsest case at 32 rows).
+        # "auto" runs dense for row counts in this closed range (None: never by row count). On an H200 both
+        # sparse ops lose to dense cuBLAS from 32 to 256 rows on calibrated layers at 0.14-1.1% active
+        # (0.46-0.97x, but for the sparsest case at 32 rows); at 2048 the large-batch op wins at 0.14% and
+        # 0.5% active (1.94x, 1.39x) and loses at 1.1% (0.94x), so 2048 stays dense: never below dense by
+        # default (docs/decoding.md). Counts between 256 and 2048 are not measured.
         self.dense_rows = DEFAULT_DENSE_ROWS
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
@@ -389,8 +390,19 @@ class SparseFFN(nn.Module):
                 return self._dense(x)
             rows = x.numel() // x.shape[-1]
             if self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]:
-                self.auto_note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
-                                  "dense is faster there)")
+                note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
+                        "dense is faster there)")
+                if (self._auto_dense is None and rows > 0 and not torch.compiler.is_compiling()
+                        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+                    # The layer's activity is measured on its first call with rows, whichever path runs it:
+                    # a prefill that runs dense here decides it on all its tokens, not a later single token.
+                    pre, h = self.hidden(x)
+                    self._set_activity(float((~(pre <= 0)).sum(-1, dtype=torch.float32).mean()) /
+                                       self.intermediate_size)
+                    self.auto_note = note
+                    self.last_path = "dense"
+                    return self.down_proj(h)
+                self.auto_note = note
                 return self._dense(x)
             measure = self._auto_dense is None
             if measure and torch.cuda.is_current_stream_capturing():
@@ -424,7 +436,10 @@ class SparseFFN(nn.Module):
     def _measure_activity(self, gate) -> None:
         if gate.n_rows == 0:  # an empty batch says nothing: the next call with tokens measures
             return
-        active = gate.nnz_per_row().float().mean().item() / self.intermediate_size
+        self._set_activity(gate.nnz_per_row().float().mean().item() / self.intermediate_size)
+
+    def _set_activity(self, active: float) -> None:
+        """Fix "auto"'s dense-or-sparse choice from the fraction of neurons active per token (one measurement)."""
         self._auto_dense = active > self.auto_max_active
         if self._auto_dense:
             self._activity_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "

@@ -16,6 +16,8 @@ from twell.formats import check_tensor
 # The most rows the decoding kernel takes (csrc/twell_kernels.h: kDecodeMaxRows); larger inputs go
 # through the other sparse path or dense (twell.nn.ffn's "auto").
 DECODE_MAX_ROWS = 32
+# The widest layer it takes (kDecodeMaxH): the down kernel lists a range of neuron groups in shared memory.
+DECODE_MAX_H = 1 << 18
 
 
 def check_decode_args(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> None:
@@ -29,6 +31,8 @@ def check_decode_args(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor)
         raise ValueError(f"the decoding FFN needs D to be a positive multiple of 64, got D={D}")
     check_tensor("w_gate", w_gate, dtype=x.dtype, shape=("H", D), device=x.device, contiguous=True)
     H = w_gate.shape[0]
+    if not 1 <= H <= DECODE_MAX_H:
+        raise ValueError(f"the decoding FFN takes 1 to {DECODE_MAX_H} hidden units, got H={H}")
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=x.dtype, shape=(H, D), device=x.device, contiguous=True)
 
