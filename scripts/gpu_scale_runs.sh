@@ -26,7 +26,7 @@
 #   DEVICE=cuda            cpu: a smoke test of this script
 #   DATA=shared:corpus/python311_docs.jsonl   corpus of the pair (TWELL_SHARED_DATA, or a carried .devdata/)
 # PHASE=train:
-#   STEPS=4000 SEQ=1024 BATCH=4 MICRO=$BATCH WARMUP=200   the pair's steps and batch (BATCH sequences of SEQ
+#   STEPS=5000 SEQ=1024 BATCH=4 MICRO=$BATCH WARMUP=200   the pair's steps and batch (BATCH sequences of SEQ
 #                          tokens per optimizer step: many small steps, the L1 term acts per step)
 #   LOG_EVERY=10 ACT_CKPT=false SPARSE_KERNELS=auto   L1= (the sparse run's coefficient; default the config's)
 #   TRAIN_WALL_S=500       wall-clock budget from the script's start: the deadline of every run
@@ -96,7 +96,7 @@ finish() {
     fi
 }
 train_phase() {
-    local STEPS=${STEPS:-4000} SEQ=${SEQ:-1024} BATCH=${BATCH:-4} WARMUP=${WARMUP:-200}
+    local STEPS=${STEPS:-5000} SEQ=${SEQ:-1024} BATCH=${BATCH:-4} WARMUP=${WARMUP:-200}
     local MICRO=${MICRO:-$BATCH} DEADLINE=$(( T0 + ${TRAIN_WALL_S:-500} ))
     read -r -a pair_gpus <<< "${PAIR_GPUS:-0 1}"
     # 1. set-up, in parallel: the kernels (the sparse runs would each wait for the build), the pair's tokens,
