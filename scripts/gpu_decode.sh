@@ -7,18 +7,7 @@
 # (the probe: scripts/probes/decode_breakdown.py, per-kernel times and graph replay floor at M 1 and 16)
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-$PWD/gpu_check_out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-summary=()
-stage() {  # name, command...
-    local name=$1; shift
-    local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    summary+=("$(printf '%-8s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-}
+source scripts/stage_lib.sh
 stage build $PY -m twell.kernels.build --build
 [ "${SKIP_TESTS:-0}" = 1 ] || stage tests $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_decode_kernels.py \
     tests/test_train_kernels.py tests/test_kernels.py -k "decode or train or module or compiled or graph"}

@@ -6,18 +6,7 @@
 #   BENCH_ARGS extra args of train-ffn (default: --no-energy); SKIP_TESTS=1 SKIP_PROBE=1 SKIP_BENCH=1
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-$PWD/gpu_check_out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-summary=()
-stage() {  # name, command...
-    local name=$1; shift
-    local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    summary+=("$(printf '%-8s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
-}
+source scripts/stage_lib.sh
 stage build $PY -m twell.kernels.build --build
 [ "${SKIP_TESTS:-0}" = 1 ] || stage tests $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_train_kernels.py tests/test_train_sparse_run.py}
 [ "${SKIP_PROBE:-0}" = 1 ] || stage probe $PY scripts/probes/train_breakdown.py

@@ -207,6 +207,34 @@ def activity_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _out_dir(args: argparse.Namespace) -> Path:
+    """--out, else reports/bench/."""
+    if args.out is not None:
+        return args.out
+    from twell.paths import reports_dir
+
+    return reports_dir("bench")
+
+
+def _show(markdown: str, paths: tuple[Path, Path]) -> None:
+    print(markdown)
+    print("\n".join(f"wrote {p}" for p in paths))
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    from twell.bench.decode import config_from_args, markdown_report, run_decode_bench, write_outputs
+
+    try:
+        result = run_decode_bench(config_from_args(args), progress=not args.quiet)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    _show(markdown_report(result), write_outputs(result, _out_dir(args), args.tag))
+    if result["failures"]:
+        print("\nFAILURES:\n  " + "\n  ".join(result["failures"]), file=sys.stderr)
+        return 1
+    return 0
+
+
 def model_main(args: argparse.Namespace) -> int:
     from twell.bench.model import ModelBenchConfig, markdown_report, run_model_bench, write_outputs
 
@@ -221,15 +249,8 @@ def model_main(args: argparse.Namespace) -> int:
         res = run_model_bench(cfg, progress=not args.quiet)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    if args.out is None:
-        from twell.paths import reports_dir
-
-        out_dir = reports_dir("bench")
-    else:
-        out_dir = args.out
-    jpath, mpath = write_outputs(res, out_dir, args.tag)
-    print(markdown_report(res))
-    print(f"wrote {jpath}\nwrote {mpath}")
+    out_dir = _out_dir(args)
+    _show(markdown_report(res), write_outputs(res, out_dir, args.tag))
     return 0
 
 
@@ -242,12 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "activity":
         return activity_main(args)
     if args.command == "decode":
-        from twell.bench.decode import main_from_args
-
-        try:
-            return main_from_args(args)
-        except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        return decode_main(args)
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     cfg = BenchConfig(
@@ -268,17 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {exc}") from None
     for name, why in runner.unavailable.items():
         print(f"WARNING: implementation {name!r} unavailable: {why}", file=sys.stderr)
-    if args.out is None:
-        from twell.paths import reports_dir
-
-        out_dir = reports_dir("bench")
-    else:
-        out_dir = args.out
+    out_dir = _out_dir(args)
     # Results so far are written after every case, so a run cut short still leaves its numbers.
     result = runner.run(on_case=lambda partial: write_outputs(partial, out_dir, args.tag))
-    jpath, mpath = write_outputs(result, out_dir, args.tag)
-    print(markdown_report(result))
-    print(f"wrote {jpath}\nwrote {mpath}")
+    _show(markdown_report(result), write_outputs(result, out_dir, args.tag))
     code = exit_code(result)
     if code == 1:
         print(f"\nCORRECTNESS FAILURES ({len(result['failures'])}):\n  " + "\n  ".join(result["failures"]),

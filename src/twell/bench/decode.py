@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
 import platform
 import socket
 import sys
@@ -261,38 +260,17 @@ def markdown_report(result: dict) -> str:
 
 def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
     """decode-<device>-<timestamp>[-tag].json and .md under out_dir."""
-    from twell.bench.ffn import device_slug
+    from twell.bench.ffn import write_result
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = result["meta"]["timestamp"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    stem = f"decode-{device_slug(result['meta']['device_name'])}-{stamp}" + (f"-{tag}" if tag else "")
-    jpath, mpath = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    jpath.write_text(json.dumps(result, indent=1, default=str))
-    mpath.write_text(markdown_report(result))
-    return jpath, mpath
+    return write_result(result, out_dir, "decode", markdown_report(result), tag)
 
 
-def main_from_args(args) -> int:
-    cfg = DecodeBenchConfig(
+def config_from_args(args) -> DecodeBenchConfig:
+    return DecodeBenchConfig(
         rows=tuple(args.M), cases=tuple(args.cases), D=args.D, H=args.H, impls=tuple(args.impl), reps=args.reps,
         warmup=args.warmup, seed=args.seed, device=args.device, graphs=not args.no_graphs,
         flush_l2=not args.no_flush_l2, energy_rows=() if args.no_energy else tuple(args.energy_M),
         energy_seconds=args.energy_seconds, tol=args.tol)
-    result = run_decode_bench(cfg, progress=not args.quiet)
-    if args.out is None:
-        from twell.paths import reports_dir
-
-        out_dir = reports_dir("bench")
-    else:
-        out_dir = args.out
-    jpath, mpath = write_outputs(result, out_dir, args.tag)
-    print(markdown_report(result))
-    print(f"wrote {jpath}\nwrote {mpath}")
-    if result["failures"]:
-        print("\nFAILURES:\n  " + "\n  ".join(result["failures"]), file=sys.stderr)
-        return 1
-    return 0
 
 
 def add_arguments(p) -> None:

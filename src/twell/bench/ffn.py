@@ -781,16 +781,21 @@ def device_slug(device_name: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in device_name).strip("-")[:40] or "device"
 
 
-def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
-    """ffn-<device>-<timestamp>[-tag].json and .md under out_dir; returns both paths."""
+def write_result(result: dict, out_dir: Path, kind: str, markdown: str, tag: str = "") -> tuple[Path, Path]:
+    """<kind>-<device>-<timestamp>[-tag].json and .md (``markdown``) under out_dir; returns both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = result["meta"]["timestamp"].replace(":", "").replace("-", "").replace("+0000", "Z")
-    stem = f"ffn-{device_slug(result['meta']['device_name'])}-{stamp}" + (f"-{tag}" if tag else "")
+    stem = f"{kind}-{device_slug(result['meta']['device_name'])}-{stamp}" + (f"-{tag}" if tag else "")
     jpath, mpath = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     jpath.write_text(json.dumps(result, indent=1, default=str))
-    mpath.write_text(markdown_report(result))
+    mpath.write_text(markdown)
     return jpath, mpath
+
+
+def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
+    """ffn-<device>-<timestamp>[-tag].json and .md under out_dir; returns both paths."""
+    return write_result(result, out_dir, "ffn", markdown_report(result), tag)
 
 
 def exit_code(result: dict) -> int:

@@ -187,27 +187,23 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> 
     counters = [c for c in (getattr(layer, "cumulative_length", None) for layer in getattr(cache, "layers", []))
                 if isinstance(c, torch.Tensor)]
     saved = [c.clone() for c in counters]
-    use_graph = graph and device.type == "cuda" and new > 1
-    if use_graph:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(device).wait_stream(side)
-    elif new > 1:
-        step()  # the same warm-up without a graph, so that both loops start from the same restored state
-    for c, v in zip(counters, saved):
-        c.copy_(v)
+
+    def restore() -> None:
+        for c, v in zip(counters, saved):
+            c.copy_(v)
+
     run = step
-    if use_graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            nxt = step()
+    if graph and device.type == "cuda" and new > 1:
+        from twell.bench.timing import graphed
+
+        replay, nxt = graphed(step, device, after_warmup=restore)
 
         def run() -> torch.Tensor:
-            g.replay()
+            replay()
             return nxt
+    elif new > 1:
+        step()  # the same warm-up without a graph, so that both loops start from the same restored state
+        restore()
     _sync(device)
     t0 = time.perf_counter()
     for i in range(1, new):

@@ -126,9 +126,11 @@ def run_for(fn: Callable[[], object], device: torch.device | str, min_seconds: f
             return calls, elapsed
 
 
-def graphed(fn: Callable[[], object], device: torch.device | str) -> tuple[Callable[[], object], object]:
+def graphed(fn: Callable[[], object], device: torch.device | str,
+            after_warmup: Callable[[], object] | None = None) -> tuple[Callable[[], object], object]:
     """``(replay, output)`` of fn captured in a CUDA graph, after two warm-up calls on a side stream: the
-    replay runs fn's kernels with one launch (launch overhead out of a timing), writing the same output."""
+    replay runs fn's kernels with one launch (launch overhead out of a timing), writing the same output.
+    ``after_warmup`` runs between the warm-up calls and the capture (to undo state they changed)."""
     device = torch.device(device)
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
@@ -136,6 +138,8 @@ def graphed(fn: Callable[[], object], device: torch.device | str) -> tuple[Calla
         for _ in range(2):
             fn()
     torch.cuda.current_stream(device).wait_stream(s)
+    if after_warmup is not None:
+        after_warmup()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()

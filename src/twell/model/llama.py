@@ -13,6 +13,7 @@ from torch import nn
 
 from twell.model.config import ModelConfig
 from twell.nn import SparseFFN
+from twell.nn.ffn import call_input
 
 
 def as_model_config(cfg: Any) -> ModelConfig:
@@ -72,6 +73,28 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def sparse_ffns(model: nn.Module) -> list[SparseFFN]:
     """The model's SparseFFN modules in layer order (works through FSDP/compile/checkpoint wrappers)."""
     return [m for m in model.modules() if isinstance(m, SparseFFN)]
+
+
+def capture_ffn_inputs(model: nn.Module, ffns: list[SparseFFN], *args: Any, **kwargs: Any) -> list[torch.Tensor | None]:
+    """Run ``model(*args, **kwargs)`` once without gradients and return, per layer of ``ffns``, every input it
+    received flattened to rows and concatenated ([tokens, D], detached), or None where it was not called.
+    The calibration forward of the per-layer path choices (``choose_union_paths``, ``choose_row_paths``)."""
+    seen: list[list[torch.Tensor]] = [[] for _ in ffns]
+
+    def keep(i):
+        def hook(mod, args_, kwargs_):
+            x = call_input(args_, kwargs_)
+            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
+        return hook
+
+    hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(ffns)]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(xs) if xs else None for xs in seen]
 
 
 def set_ffn_path(model: nn.Module, path: str) -> None:

@@ -13,8 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from twell.model.llama import sparse_ffns
-from twell.nn.ffn import call_input
+from twell.model.llama import capture_ffn_inputs, sparse_ffns
 from twell.reference.decode import DECODE_MAX_ROWS
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -81,24 +80,9 @@ def choose_row_paths(model: nn.Module, *args: Any, rows: Sequence[int] = ROW_GRI
     ffns = sparse_ffns(model)
     if not ffns:
         raise ValueError("the model has no SparseFFN layers; build it with twell.model.build_model or load_pretrained")
-    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(ffns))}
-
-    def keep(i):
-        def hook(mod, a, kw):
-            x = call_input(a, kw)
-            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
-        return hook
-
-    hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(ffns)]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = capture_ffn_inputs(model, ffns, *args, **kwargs)
     report, settings = [], []
-    for i, f in enumerate(ffns):
-        x = torch.cat(seen[i]) if seen[i] else None
+    for i, (f, x) in enumerate(zip(ffns, seen)):
         row = {"layer": i, "tokens": 0 if x is None else int(x.shape[0]), "times": {}, "decode_rows": f.decode_rows,
                "dense_rows": f.dense_rows, "why": None}
         why = _not_timed(f, x)

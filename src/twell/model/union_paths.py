@@ -17,8 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from twell.model.llama import sparse_ffns
-from twell.nn.ffn import call_input
+from twell.model.llama import capture_ffn_inputs, sparse_ffns
 from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
@@ -78,23 +77,9 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     ok, why = kernels.available()
     if not ok:
         raise RuntimeError(f"choosing union paths needs the TwELL kernels: {why}")
-    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(ffns))}
-
-    def keep(i):
-        def hook(mod, args, kw):
-            x = call_input(args, kw)
-            seen[i].append(x.detach().reshape(-1, x.shape[-1]))
-        return hook
-
-    hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(ffns)]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    for i in range(len(ffns)):
-        if not seen[i]:
+    seen = capture_ffn_inputs(model, ffns, *args, **kwargs)
+    for i, x in enumerate(seen):
+        if x is None:
             raise RuntimeError(f"layer {i}: the SparseFFN was not called by the calibration forward")
     # Every layer is measured first and changed only after the last one: an error on layer k (out of
     # memory, say) leaves every layer's union and timed choice as they were (the calibration forward
@@ -102,11 +87,11 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     report, settings = [], []
     for i, f in enumerate(ffns):
         try:
-            row, auto_choice = _choose_one(f, i, torch.cat(seen[i]), kernels, rule, min_share, timed, reps, min_gain)
+            row, auto_choice = _choose_one(f, i, seen[i], kernels, rule, min_share, timed, reps, min_gain)
         except Exception as exc:
             exc.add_note(f"choose_union_paths: while measuring layer {i} (no layer's union or timed choice was changed)")
             raise
-        seen[i] = []
+        seen[i] = None
         report.append(row)
         settings.append((f, row["union"], auto_choice))
     for f, union, auto_choice in settings:
