@@ -47,7 +47,8 @@
 #   EVAL_BATCH=auto        lm-eval batch size
 #   STEP_LIMIT_S=420       time limit of each bench step (it is stopped after that; what it wrote stays)
 # Both phases, optional: SIDE_CMD="..." SIDE_GPU=3   one more command (bash -c) on that GPU: in the train phase
-#   beside the runs, in the bench phase after the activity step (on its GPU by default); it writes into
+#   beside the runs, in the bench phase from the start (after the activity step when on that step's GPU, the
+#   default); it writes into
 #   $SIDE_OUT (packed with the pair / the model benchmark), its log is logs/side.log
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -233,11 +234,15 @@ bench_phase() {
     start eval_dense "${eval_gpus[1]}" "$limit" python3 -m twell.eval run "$DENSE_RUN/final" --name dense \
         --ffn-path dense --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \
         --batch-size "${EVAL_BATCH:-auto}" --out "$STAGE/eval/dense.json"
-    finish activity
-    if [ -n "${SIDE_CMD:-}" ]; then
+    local side_gpu=${SIDE_GPU:-${ACTIVITY_GPU:-1}}
+    start_side() {
         mkdir -p "$STAGE/bench/side"
-        start side "${SIDE_GPU:-${ACTIVITY_GPU:-1}}" "$limit" env SIDE_OUT="$PWD/$STAGE/bench/side" bash -c "$SIDE_CMD"
-    fi
+        start side "$side_gpu" "$limit" env SIDE_OUT="$PWD/$STAGE/bench/side" bash -c "$SIDE_CMD"
+    }
+    # on a GPU of its own it starts now, on the activity step's GPU after that step
+    [ -n "${SIDE_CMD:-}" ] && [ "$side_gpu" != "${ACTIVITY_GPU:-1}" ] && start_side
+    finish activity
+    [ -n "${SIDE_CMD:-}" ] && [ -z "${PIDS[side]:-}" ] && start_side
     for s in bench eval_sparse eval_dense side; do [ -n "${PIDS[$s]:-}" ] && finish "$s"; done
     if [ -f "$STAGE/eval/sparse.json" ] && [ -f "$STAGE/eval/dense.json" ]; then
         start eval_compare "" 60 python3 -m twell.eval compare "$STAGE/eval/dense.json" "$STAGE/eval/sparse.json" \

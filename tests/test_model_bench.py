@@ -127,3 +127,28 @@ def test_paper_scale_of_row_labels():
     assert efficiency.paper_scale("0p5b (5000 steps)") == "0.5B"
     assert efficiency.paper_scale("1p5b") == "1.5B" and efficiency.paper_scale("2B") == "2B"
     assert efficiency.paper_scale("small") == "small" and efficiency.paper_scale("tiny") == "tiny"
+
+
+def test_compiled_graph_decode_rows(pair):
+    """decode-compiled-graph rows: each step compiled before it is replayed (the eager backend here: the same
+    tracing as inductor's, no code generation), both sides' tokens compared."""
+    cfg = {**SMALL, "train_batch": 0, "decode_batches": (2,), "decode_graph": False, "decode_compile": "eager"}
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], **cfg), progress=False)
+    assert [r["measure"] for r in res["rows"]] == ["prefill", "decode", "decode-compiled-graph"], res["decode_errors"]
+    row = res["rows"][-1]
+    assert row["compile_backend"] == "eager" and row["sparse"]["tokens_per_s"] > 0
+    assert row["sparse"]["first_tokens_match_eager"] and row["dense"]["first_tokens_match_eager"]
+    assert len(row["first_diff"]) == 2 and row["tokens_same"] == all(f is None for f in row["first_diff"])
+    assert "decode-compiled-graph, batch 2" in markdown_report(res)
+
+
+def test_compiled_static_greedy_gives_the_eager_tokens():
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
+                     max_position_embeddings=64, init_std=0.3)
+    m = build_model(mc).eval()
+    prompt = torch.randint(0, 97, (1, 9))
+    with torch.inference_mode():
+        eager, _ = static_greedy(m, prompt, 10, graph=False)
+        compiled, _ = static_greedy(m, prompt, 10, compile_backend="eager")
+    assert torch.equal(eager, compiled)

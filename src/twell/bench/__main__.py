@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip the decode rows with a static KV cache (compiled: CUDA graphs)")
     mo.add_argument("--no-graph-decode", action="store_true",
                     help="skip the decode rows whose steps replay one CUDA graph each")
+    mo.add_argument("--compiled-graph-decode", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="one more decode row per batch: each step compiled (torch.compile backend, default "
+                         "inductor) and replayed from one CUDA graph")
     mo.add_argument("--no-token-check", action="store_true",
                     help="skip the greedy-token comparison of the sparse weights on the sparse and dense paths")
     mo.add_argument("--reps", type=int, default=10)
@@ -244,7 +247,7 @@ def model_main(args: argparse.Namespace) -> int:
         decode_batches=tuple(args.decode_batch), prompt_len=args.prompt, new_tokens=args.new_tokens,
         train_batch=args.train_batch, train_steps=args.train_steps, reps=args.reps, energy=not args.no_energy,
         energy_seconds=args.energy_seconds, tokens=args.tokens, decode_static=not args.no_static_decode, decode_graph=not args.no_graph_decode,
-        token_check=not args.no_token_check)
+        decode_compile=args.compiled_graph_decode, token_check=not args.no_token_check)
     try:
         res = run_model_bench(cfg, progress=not args.quiet)
     except (ValueError, FileNotFoundError) as exc:

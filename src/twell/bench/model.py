@@ -28,6 +28,7 @@ import json
 import math
 import platform
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -69,6 +70,7 @@ class ModelBenchConfig:
     energy_seconds: float = 2.0
     decode_static: bool = True                   # also decode with a static KV cache, compiled (CUDA graphs)
     decode_graph: bool = True                    # also greedy decode with each step replayed from a CUDA graph
+    decode_compile: Optional[str] = None         # torch.compile backend of one more graph row ("inductor" on a GPU)
     token_check: bool = True                     # greedy tokens of the sparse weights, sparse path vs dense path
     tokens: Optional[str] = None                 # prepared data dir or .npy of token ids (default: random ids)
     tokens_split: str = "val"
@@ -161,11 +163,26 @@ def _generate_static(model, prompt: torch.Tensor, new: int, pad: int) -> torch.T
                           cache_implementation="static")
 
 
-def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> tuple[torch.Tensor, float]:
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {backend: compiled module}
+
+
+def _compiled(model, backend: str):
+    """``torch.compile(model, backend=backend)``, one per model and backend (compiled code is reused)."""
+    per = _COMPILED.setdefault(model, {})
+    if backend not in per:
+        per[backend] = torch.compile(model, backend=backend, dynamic=False)
+    return per[backend]
+
+
+def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
+                  compile_backend: Optional[str] = None) -> tuple[torch.Tensor, float]:
     """Greedy decoding of ``new`` tokens after ``prompt`` with a static KV cache: ``(tokens [b, new], seconds)``,
     the seconds those of the ``new - 1`` steps after the prompt's forward. With ``graph`` (CUDA) each step's
     forward and argmax replay one CUDA graph, so launch overhead does not decide the comparison
-    (BENCHMARK.md); otherwise the same steps run eagerly. Same tokens as ``generate`` with greedy search."""
+    (BENCHMARK.md); otherwise the same steps run eagerly. ``compile_backend`` (e.g. ``"inductor"``) compiles
+    the step's forward first, which fuses the small kernels around the FFN (norms, rotary embedding,
+    attention's reshapes) for both paths alike; the prompt's forward stays eager. Same tokens as ``generate``
+    with greedy search (a compiled step may round differently: its tokens can part at a near-tie)."""
     from transformers import StaticCache
 
     b, P = prompt.shape
@@ -178,8 +195,10 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> 
     ids = out[:, :1].clone()
     pos = torch.tensor([P], device=device)
 
+    fwd = model if compile_backend is None else _compiled(model, compile_backend)
+
     def step() -> torch.Tensor:
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
+        return fwd(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
 
     # Warm-up steps (before a capture) write position P's cache entry, which the first real step writes
     # again; but transformers' static cache layers also count the tokens they hold (cumulative_length, the
@@ -215,25 +234,38 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True) -> 
     return out, time.perf_counter() - t0
 
 
-def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device) -> dict:
+def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device,
+                      compile_backend: Optional[str] = None) -> dict:
+    """decode-graph (eager step) or decode-compiled-graph (``compile_backend``) row; ``tokens_same`` compares
+    the two sides' greedy tokens of the last timed run, ``first_diff`` the first differing new token per row."""
     b = prompt.shape[0]
-    row = {"measure": "decode-graph", "batch": b, "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+    row = {"measure": "decode-graph" if compile_backend is None else "decode-compiled-graph", "batch": b,
+           "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+    if compile_backend is not None:
+        row["compile_backend"] = compile_backend
     reps = max(1, cfg.reps // 3)
+    toks = {}
     for side, m in models.items():
         # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying the
-        # graph decodes what the eager steps decode
+        # graph decodes what the eager steps decode (a compiled step may round differently: recorded instead)
         eager, _ = static_greedy(m, prompt, 8, graph=False)
-        graphed, _ = static_greedy(m, prompt, 8)
-        if not torch.equal(eager, graphed):
+        graphed, _ = static_greedy(m, prompt, 8, compile_backend=compile_backend)
+        if compile_backend is None and not torch.equal(eager, graphed):
             raise RuntimeError(f"{side}: the CUDA-graph decoder's tokens differ from the eager steps' "
                                f"({graphed.tolist()} vs {eager.tolist()})")
         times = []
         for _ in range(reps):
-            _, secs = static_greedy(m, prompt, cfg.new_tokens)
+            toks[side], secs = static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend)
             times.append(secs)
         secs = float(np.median(times))
         row[side] = {"seconds": secs, "tokens_per_s": b * (cfg.new_tokens - 1) / secs,
-                     "peak_bytes": peak_memory_above_baseline(lambda: static_greedy(m, prompt, cfg.new_tokens), device)}
+                     "peak_bytes": peak_memory_above_baseline(
+                         lambda: static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend), device)}
+        if compile_backend is not None:
+            row[side]["first_tokens_match_eager"] = bool(torch.equal(eager, graphed))
+    diff = [(toks["dense"][r] != toks["sparse"][r]).nonzero() for r in range(b)]
+    row["first_diff"] = [None if d.numel() == 0 else int(d[0]) for d in diff]
+    row["tokens_same"] = all(f is None for f in row["first_diff"])
     row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
     return row
 
@@ -421,6 +453,11 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
                     rows.append(_graph_decode_row(models, prompt, cfg, device))
                 except Exception as exc:
                     decode_errors[f"graph, batch {b}"] = f"{type(exc).__name__}: {exc}"[:500]
+            if cfg.decode_compile:
+                try:
+                    rows.append(_graph_decode_row(models, prompt, cfg, device, cfg.decode_compile))
+                except Exception as exc:
+                    decode_errors[f"compiled graph, batch {b}"] = f"{type(exc).__name__}: {exc}"[:500]
         bar.update(1)
     token_check = None
     if cfg.token_check:
@@ -497,10 +534,17 @@ def markdown_report(res: dict) -> str:
         lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
         if tr[0]["sparse"].get("notes"):
             lines.append(f"Layers left dense by the backend: {'; '.join(tr[0]['sparse']['notes'])}")
-    if any(r["measure"] in ("decode-static", "decode-graph") for r in res["rows"]):
+    if any(r["measure"] in ("decode-static", "decode-graph", "decode-compiled-graph") for r in res["rows"]):
         lines += ["", "decode: greedy generate, eager; decode-static: generate with a static KV cache (transformers "
                       "compiles the step where it can); decode-graph: greedy steps with a static KV cache, each step's "
-                      "forward and argmax replayed from one CUDA graph (launch overhead out). Both sides alike."]
+                      "forward and argmax replayed from one CUDA graph (launch overhead out); decode-compiled-graph: "
+                      "the same with the step compiled first (torch.compile fuses the kernels around the FFN). "
+                      "Both sides alike."]
+    for r in res["rows"]:
+        if "tokens_same" in r:
+            lines.append(f"{r['measure']}, batch {r['batch']}: the two sides' greedy tokens are "
+                         + ("identical." if r["tokens_same"] else f"not identical (first differing new token per "
+                                                                   f"row: {r['first_diff']})."))
     for k, v in (res.get("decode_errors") or {}).items():
         lines.append(f"Decode {k} failed: {v}")
     tc = res.get("token_check")
