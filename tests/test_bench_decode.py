@@ -27,4 +27,18 @@ def test_bad_settings_exit_with_an_error():
     with pytest.raises(SystemExit, match="multiple of 64"):
         bench_main(["decode", "--D", "100", "--device", "cpu", "--quiet"])
     with pytest.raises(ValueError, match="unknown case"):
-        DecodeBenchConfig(cases=("nnz7",))
+        DecodeBenchConfig(cases=("nnz",))
+    with pytest.raises(ValueError, match="unknown case"):
+        DecodeBenchConfig(cases=("nnz0",))
+    with pytest.raises(ValueError, match="more active neurons than H"):
+        DecodeBenchConfig(cases=("nnz400",), H=300)
+
+
+def test_cases_beyond_the_defaults(tmp_path):
+    """"nnz<N>" asks the generator for N active neurons per row (here 40 of 300)."""
+    code = bench_main(["decode", "--M", "1", "4", "--cases", "nnz40", "--D", "128", "--H", "300", "--reps", "2",
+                       "--warmup", "0", "--device", "cpu", "--out", str(tmp_path), "--quiet"])
+    (jpath,) = tmp_path.glob("decode-*.json")
+    rows = json.loads(jpath.read_text())["rows"]
+    assert code == 0 and [(r["case"], r["nnz_target"]) for r in rows] == [("nnz40", 40.0)] * 2
+    assert all(30 <= r["nnz_measured"] <= 50 for r in rows), [r["nnz_measured"] for r in rows]

@@ -180,6 +180,26 @@ def test_module_picks_its_path_by_rows():
         assert torch.equal(f(x), kernels.sparse_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t))
 
 
+def test_dense_by_activity_layer_still_decodes_few_rows():
+    """A layer "auto" runs dense by its activity (3% active, past auto_max_active) takes the decoding op on as
+    many rows as keep the expected union within DECODE_MAX_UNION (9 rows at 3%), dense past them."""
+    inp = calibrated_ffn_inputs(2100, 2048, 5632, 170, tail=0.0, seed=13, device="cuda")
+    w_down_t = inp.w_down.t().contiguous()
+    f = _layer(inp.w_gate, inp.w_up, w_down_t)
+    with torch.no_grad():
+        f(inp.x[:2000])  # a prefill (dense by row count) measures the activity: ~3%
+        assert f._auto_dense and f.decode_max_rows() == 9, (f._activity, f.decode_max_rows())
+        assert "decoding op up to 9 rows" in f.auto_note
+        for m in (1, 9):
+            x = inp.x[:m].contiguous()
+            out = f(x)
+            assert f.last_path == "twell-kernel"
+            assert torch.equal(out, kernels.decode_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t)), m
+        for m in (10, 16, 2100):
+            f(inp.x[:m])
+            assert f.last_path == "dense", m
+
+
 def test_module_decodes_in_a_cuda_graph():
     inp = calibrated_ffn_inputs(4, 2048, 5632, 29, tail=0.0, seed=12, device="cuda")
     f = _layer(inp.w_gate, inp.w_up, inp.w_down.t().contiguous())

@@ -108,3 +108,38 @@ def test_auto_measures_activity_on_a_dense_rows_call(monkeypatch):
     with torch.no_grad():
         f(x)
     assert f._auto_dense is False
+
+
+def test_dense_by_activity_layer_takes_the_decoding_op_on_few_rows(monkeypatch):
+    """"auto" on a layer past auto_max_active: the decoding op while the rows' expected union of active neurons
+    stays within DECODE_MAX_UNION of H, dense past that (the kernels' route and op forced on CPU: the reference
+    op stands in for the kernel)."""
+    import twell.kernels
+    from twell.nn import SparseFFN
+    from twell.nn.ffn import DECODE_MAX_UNION
+
+    f = SparseFFN(64, 96).to(torch.bfloat16)
+    monkeypatch.setattr(f, "auto_route", lambda x: ("kernel", ""))
+    monkeypatch.setattr(twell.kernels, "decode_gated_ffn", decode_gated_ffn, raising=False)
+    f._set_activity(0.03)
+    assert f._auto_dense and f.decode_max_rows() == 9 and "decoding op up to 9 rows" in f.auto_note
+    assert 1 - 0.97 ** 9 <= DECODE_MAX_UNION < 1 - 0.97 ** 10
+    with torch.no_grad():
+        for m, path in ((1, "twell-kernel"), (9, "twell-kernel"), (10, "dense"), (16, "dense")):
+            x = torch.randn(m, 64).bfloat16()
+            out = f(x)
+            assert f.last_path == path, m
+            if path == "twell-kernel":
+                assert torch.equal(out, decode_gated_ffn(x, f.gate_proj.weight, f.up_proj.weight, f.w_down_t()))
+        f.keep_gate = True  # the TwELL is asked for: the decoding op keeps none
+        f(torch.randn(2, 64).bfloat16())
+        assert f.last_path == "dense"
+    f.keep_gate = False
+    for active, rows in ((0.0, 16), (0.005, 16), (0.083, 3), (0.2, 1), (0.3, 0)):
+        f._set_activity(active)
+        assert f.decode_max_rows() == min(rows, f.decode_rows), active
+    f.decode_rows = 4
+    f._set_activity(0.005)
+    assert f.decode_max_rows() == 4
+    f.reset_auto()
+    assert f.decode_max_rows() == 0  # nothing measured: no exception to "dense"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import platform
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -37,7 +38,17 @@ from twell.bench.timing import graphed, time_alternating
 from twell.reference.decode import DECODE_MAX_ROWS
 
 DECODE_ROWS = (1, 4, 16, 64, 256, 2048)
-DECODE_NNZ = {"nnz8": 8.0, "nnz29": 29.0, "nnz64": 64.0}
+DECODE_NNZ = {"nnz8": 8.0, "nnz29": 29.0, "nnz64": 64.0}  # the default cases; any "nnz<N>" names one more
+
+
+def case_nnz(case: str) -> float:
+    """Active neurons per row that a case name asks for: the default cases, or "nnz<N>" for N > 0."""
+    if case in DECODE_NNZ:
+        return DECODE_NNZ[case]
+    m = re.fullmatch(r"nnz(\d+(?:\.\d+)?)", case)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"unknown case {case!r}: {sorted(DECODE_NNZ)} or nnz<N> (N active neurons per row, N > 0)")
+    return float(m.group(1))
 IMPLS = ("decode-kernel", "twell-kernel", "auto")
 
 
@@ -59,9 +70,9 @@ class DecodeBenchConfig:
     tol: float = 1e-2
 
     def __post_init__(self):
-        bad = [c for c in self.cases if c not in DECODE_NNZ]
-        if bad:
-            raise ValueError(f"unknown case(s) {bad}: choose from {sorted(DECODE_NNZ)}")
+        for c in self.cases:
+            if case_nnz(c) > self.H:
+                raise ValueError(f"case {c!r} asks for more active neurons than H={self.H}")
         bad = [i for i in self.impls if i not in IMPLS]
         if bad:
             raise ValueError(f"unknown implementation(s) {bad}: choose from {list(IMPLS)}")
@@ -151,12 +162,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True) -> dict:
     work = [(c, int(m)) for c in cfg.cases for m in cfg.rows]
     bar = progress_bar(total=len(work), desc="decode bench", progress=progress)
     for case, M in work:
-        inp = calibrated_ffn_inputs(M, cfg.D, cfg.H, DECODE_NNZ[case], tail=0.0, seed=cfg.seed + M, device=device)
+        inp = calibrated_ffn_inputs(M, cfg.D, cfg.H, case_nnz(case), tail=0.0, seed=cfg.seed + M, device=device)
         x, w_gate, w_up, w_down = inp.x, inp.w_gate, inp.w_up, inp.w_down
         w_down_t = w_down.t().contiguous()
         with torch.no_grad():
             active = F.linear(x, w_gate) > 0
-        row = {"case": case, "M": M, "nnz_target": DECODE_NNZ[case],
+        row = {"case": case, "M": M, "nnz_target": case_nnz(case),
                "nnz_measured": float(active.sum(1).float().mean()), "union": int(active.any(0).sum()), "impls": {}}
 
         def dense():
@@ -275,7 +286,8 @@ def config_from_args(args) -> DecodeBenchConfig:
 
 def add_arguments(p) -> None:
     p.add_argument("--M", nargs="+", type=int, default=list(DECODE_ROWS), help="rows per call")
-    p.add_argument("--cases", nargs="+", choices=list(DECODE_NNZ), default=list(DECODE_NNZ))
+    p.add_argument("--cases", nargs="+", default=list(DECODE_NNZ),
+                   help="calibrated cases: nnz8 nnz29 nnz64 (default) or nnz<N>, N active neurons per row")
     p.add_argument("--D", type=int, default=2048)
     p.add_argument("--H", type=int, default=5632)
     p.add_argument("--impl", nargs="+", choices=list(IMPLS), default=list(IMPLS),

@@ -192,7 +192,7 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
                    use_cache=True).logits[:, -1]
     out = torch.empty(b, new, dtype=torch.long, device=device)
     out[:, 0] = logits.argmax(-1)
-    ids = out[:, :1].clone()
+    ids = out.new_empty((b, 1)).copy_(out[:, :1])  # its own strides: the same compiled step for every new
     pos = torch.tensor([P], device=device)
 
     fwd = model if compile_backend is None else _compiled(model, compile_backend)
@@ -236,8 +236,9 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
 
 def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device,
                       compile_backend: Optional[str] = None) -> dict:
-    """decode-graph (eager step) or decode-compiled-graph (``compile_backend``) row; ``tokens_same`` compares
-    the two sides' greedy tokens of the last timed run, ``first_diff`` the first differing new token per row."""
+    """decode-graph (eager step) or decode-compiled-graph (``compile_backend``) row. When both sides hold the
+    same weights (no dense twin), ``tokens_same`` compares their greedy tokens of the last timed run and
+    ``first_diff`` gives the first differing new token per row."""
     b = prompt.shape[0]
     row = {"measure": "decode-graph" if compile_backend is None else "decode-compiled-graph", "batch": b,
            "prompt": cfg.prompt_len, "new_tokens": cfg.new_tokens}
@@ -263,9 +264,10 @@ def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig
                          lambda: static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend), device)}
         if compile_backend is not None:
             row[side]["first_tokens_match_eager"] = bool(torch.equal(eager, graphed))
-    diff = [(toks["dense"][r] != toks["sparse"][r]).nonzero() for r in range(b)]
-    row["first_diff"] = [None if d.numel() == 0 else int(d[0]) for d in diff]
-    row["tokens_same"] = all(f is None for f in row["first_diff"])
+    if cfg.dense_checkpoint is None:  # a twin's tokens are another model's: nothing to compare
+        diff = [(toks["dense"][r] != toks["sparse"][r]).nonzero() for r in range(b)]
+        row["first_diff"] = [None if d.numel() == 0 else int(d[0]) for d in diff]
+        row["tokens_same"] = all(f is None for f in row["first_diff"])
     row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
     return row
 

@@ -20,7 +20,8 @@ and chooses *how* through one interface:
   why auto left the kernels (or what decided it). Sparse paths need ``activation="relu"``. On its first
   call on the kernels' route (sparse, or dense by ``dense_rows``), ``"auto"`` also measures the layer's
   activity (one host sync, once): a layer with more than ``auto_max_active`` of its neurons active
-  per token runs dense from then on, and ``auto_note`` says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
+  per token runs dense from then on (but for the decoding op on row counts whose expected union of active
+  neurons stays within ``DECODE_MAX_UNION`` of H: ``decode_max_rows()``), and ``auto_note`` says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
   recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
   that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
 
@@ -59,6 +60,7 @@ each replay without checking it: after changing the weights, capture again.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -81,6 +83,12 @@ PATHS = ("auto", "dense", "reference", "kernel")
 DEFAULT_DECODE_ROWS = 16
 # Row counts that "auto" runs dense by default (SparseFFN.dense_rows).
 DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2048)
+# A layer that "auto" runs dense by its activity still takes the decoding op on up to decode_rows rows while the
+# rows' expected union of active neurons, 1 - (1 - activity)^rows of H, stays at most this: the op reads every
+# gate weight and only the union's up and down rows. On an H200 (D 2048, H 5632, 1-16 rows) it ran 1.63x dense
+# at a union of 3% of H, 1.49-1.55x at 8-11%, 1.20-1.33x at 20-28%, 0.99x at 36% and 0.64-0.92x at 55-93%
+# (docs/decoding.md).
+DECODE_MAX_UNION = 0.25
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
 
@@ -202,6 +210,7 @@ class SparseFFN(nn.Module):
         self.auto_max_active = 0.0125
         self.auto_note: Optional[str] = None
         self._auto_dense: Optional[bool] = None  # None: not measured yet
+        self._activity: Optional[float] = None  # the fraction of neurons active per token "auto" measured
         self._activity_note: Optional[str] = None
         # W_down transposed, [H, D] (w_down_t()). A plain attribute, not a buffer: DDP broadcasts buffers,
         # and ranks that ran different inference calls would disagree on it.
@@ -258,7 +267,7 @@ class SparseFFN(nn.Module):
     def reset_auto(self) -> None:
         """Forget the activity that ``"auto"`` measured, or the choice set_auto_choice made (e.g. after
         loading other weights)."""
-        self._auto_dense = None
+        self._auto_dense = self._activity = None
         self.auto_note = self._activity_note = None
 
     def set_auto_choice(self, dense: bool, note: str) -> None:
@@ -386,9 +395,11 @@ class SparseFFN(nn.Module):
                 self.auto_note = f"auto: TwELL reference ({why})"
                 return self._sparse(x, use_kernel=False)
             self.auto_note = self._activity_note
-            if self._auto_dense:
-                return self._dense(x)
             rows = x.numel() // x.shape[-1]
+            if self._auto_dense:
+                if self._decode_fits(rows):
+                    return self._sparse(x, use_kernel=True)
+                return self._dense(x)
             if self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]:
                 note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
                         "dense is faster there)")
@@ -440,11 +451,29 @@ class SparseFFN(nn.Module):
 
     def _set_activity(self, active: float) -> None:
         """Fix "auto"'s dense-or-sparse choice from the fraction of neurons active per token (one measurement)."""
+        self._activity = active
         self._auto_dense = active > self.auto_max_active
         if self._auto_dense:
             self._activity_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
-                                   f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on")
+                                   f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on"
+                                   + (f", but for the decoding op up to {self.decode_max_rows()} rows"
+                                      if self.decode_max_rows() else ""))
         self.auto_note = self._activity_note
+
+    def decode_max_rows(self) -> int:
+        """Up to how many rows "auto" takes the decoding op on a layer it runs dense by its measured activity
+        (the rows' expected union of active neurons at most ``DECODE_MAX_UNION`` of H, and at most
+        ``decode_rows``); 0 when it never does (activity not measured, or too high)."""
+        a = self._activity
+        if a is None or not self.gated or a > DECODE_MAX_UNION:
+            return 0
+        if a <= 0.0:
+            return self.decode_rows
+        # the largest n with 1 - (1 - a)^n <= DECODE_MAX_UNION
+        return min(self.decode_rows, int(math.log1p(-DECODE_MAX_UNION) / math.log1p(-a) + 1e-9))
+
+    def _decode_fits(self, rows: int) -> bool:
+        return 0 < rows <= self.decode_max_rows() and not self.keep_gate
 
     def _check_width(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.hidden_size:
