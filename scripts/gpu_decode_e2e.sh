@@ -3,8 +3,9 @@
 #   PHASE=train  build; the decoding kernel's tests; `python -m twell.bench decode` at M 1-32 (no energy);
 #                then the sparse 0.5B config on the offline corpus for STEPS steps (4 x 1024 tokens per step,
 #                the recipe otherwise; a wall-clock deadline DEADLINE_S after the start stops it earlier).
-#                TESTS_GPU=N runs the tests and the FFN benchmark on GPU N beside the training (they share
-#                the build; the training waits for it), on a machine with more than one GPU.
+#                TESTS_GPU=N runs the tests and the FFN benchmark on GPU N (a physical index, another GPU
+#                than the training's) beside the training (they share the build; the training waits for
+#                it), on a machine with more than one GPU.
 #   PHASE=bench  `python -m twell.bench model` on that checkpoint, its dense side the same weights on the
 #                dense path: prefill, eager and CUDA-graph greedy decoding at batch 1 and 32 (the graph rows
 #                with the step eager, and compiled by inductor unless COMPILED=0), the greedy token checks
@@ -37,7 +38,7 @@ train)
         --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
         > "$OUT/train.log" 2>&1
     echo "train rc=$?"
-    if [ -n "${TESTS_GPU:-}" ]; then wait "$checks_pid"; cat "$OUT/checks.log"; fi
+    if [ -n "${TESTS_GPU:-}" ]; then wait "$checks_pid"; echo "checks rc=$?"; cat "$OUT/checks.log"; fi
     cp "$RUN/summary.json" "$OUT/summary_$SCALE.json" 2>/dev/null
     json_get "$RUN/summary.json" steps_done | sed 's/^/steps done: /'
     json_get "$RUN/summary.json" final.active_frac_mean | sed 's/^/active fraction: /'

@@ -48,7 +48,8 @@
 #   STEP_LIMIT_S=420       time limit of each bench step (it is stopped after that; what it wrote stays)
 # Both phases, optional: SIDE_CMD="..." SIDE_GPU=3   one more command (bash -c) on that GPU: in the train phase
 #   beside the runs, in the bench phase from the start (after the activity step when on that step's GPU, the
-#   default); it writes into
+#   default); it inherits this script's environment (SCALE, STEPS, BENCH_ARGS, ...: set what it reads in
+#   SIDE_CMD itself) and sees only its GPU (CUDA_VISIBLE_DEVICES); it writes into
 #   $SIDE_OUT (packed with the pair / the model benchmark), its log is logs/side.log
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -239,7 +240,8 @@ bench_phase() {
         mkdir -p "$STAGE/bench/side"
         start side "$side_gpu" "$limit" env SIDE_OUT="$PWD/$STAGE/bench/side" bash -c "$SIDE_CMD"
     }
-    # on a GPU of its own it starts now, on the activity step's GPU after that step
+    # on another GPU than the activity step's it starts now (beside whatever else runs there), on that
+    # step's GPU after the step
     [ -n "${SIDE_CMD:-}" ] && [ "$side_gpu" != "${ACTIVITY_GPU:-1}" ] && start_side
     finish activity
     [ -n "${SIDE_CMD:-}" ] && [ -z "${PIDS[side]:-}" ] && start_side

@@ -158,3 +158,13 @@ def test_activity_table_figure_and_findings():
     assert "4.0-4.0x" in text and "dense: least active layer 1" in text
     with pytest.raises(ValueError, match="twell.bench activity"):
         plots.activity_table({"label": "x"})
+    # several results (scales of different depth) by relative depth
+    deep = {"label": "d", "models": {"sparse": model([0.08, 0.002, 0.001, 0.004, 0.14], 2.0)}}
+    fig, depth = plots.activity_by_depth({"3 layers": res, "5 layers": deep})
+    assert depth[["result", "model", "layers"]].values.tolist() == [["3 layers", "sparse", 3], ["3 layers", "dense", 3],
+                                                                   ["5 layers", "sparse", 5]]
+    row = depth.iloc[2]
+    assert (row["first layer %"], row["last layer %"], row["least active layer"]) == pytest.approx((8.0, 14.0, 2))
+    assert len(fig.axes[0].lines) == 3
+    with pytest.raises(ValueError, match="at least one"):
+        plots.activity_by_depth({})

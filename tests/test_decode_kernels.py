@@ -136,6 +136,22 @@ def test_rejects_bad_inputs():
         kernels.decode_gated_ffn(buf[1:].view(2, 128), w_gate, w_up, w_down_t)
 
 
+def test_trusted_entry_gives_the_same_bits_and_the_extension_still_checks():
+    """decode_gated_ffn_trusted (SparseFFN's eager entry: no Python checks, no custom-op dispatch) returns the
+    checked op's bits, and the extension itself refuses what it cannot run."""
+    x, w_gate, w_up, w_down_t = _weights(5, 256, 300, 31)
+    assert torch.equal(kernels.decode_gated_ffn_trusted(x, w_gate, w_up, w_down_t),
+                       kernels.decode_gated_ffn(x, w_gate, w_up, w_down_t))
+    buf = torch.empty(5 * 256 + 1, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="aligned"):
+        kernels.decode_gated_ffn_trusted(buf[1:].view(5, 256), w_gate, w_up, w_down_t)  # misaligned
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.decode_gated_ffn_trusted(x.float(), w_gate, w_up, w_down_t)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels.decode_gated_ffn_trusted(torch.zeros(33, 256, dtype=torch.bfloat16, device="cuda"), w_gate, w_up,
+                                         w_down_t)
+
+
 def _layer(w_gate, w_up, w_down_t):
     from twell.nn import SparseFFN
 
@@ -189,7 +205,7 @@ def test_dense_by_activity_layer_still_decodes_few_rows():
     with torch.no_grad():
         f(inp.x[:2000])  # a prefill (dense by row count) measures the activity: ~3%
         assert f._auto_dense and f.decode_max_rows() == 9, (f._activity, f.decode_max_rows())
-        assert "decoding op up to 9 rows" in f.auto_note
+        assert "but for the decoding op" in f.auto_note
         for m in (1, 9):
             x = inp.x[:m].contiguous()
             out = f(x)

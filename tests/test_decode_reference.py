@@ -120,9 +120,9 @@ def test_dense_by_activity_layer_takes_the_decoding_op_on_few_rows(monkeypatch):
 
     f = SparseFFN(64, 96).to(torch.bfloat16)
     monkeypatch.setattr(f, "auto_route", lambda x: ("kernel", ""))
-    monkeypatch.setattr(twell.kernels, "decode_gated_ffn", decode_gated_ffn, raising=False)
+    monkeypatch.setattr(twell.kernels, "decode_gated_ffn_trusted", decode_gated_ffn, raising=False)
     f._set_activity(0.03)
-    assert f._auto_dense and f.decode_max_rows() == 9 and "decoding op up to 9 rows" in f.auto_note
+    assert f._auto_dense and f.decode_max_rows() == 9 and "but for the decoding op" in f.auto_note
     assert 1 - 0.97 ** 9 <= DECODE_MAX_UNION < 1 - 0.97 ** 10
     with torch.no_grad():
         for m, path in ((1, "twell-kernel"), (9, "twell-kernel"), (10, "dense"), (16, "dense")):
@@ -134,12 +134,18 @@ def test_dense_by_activity_layer_takes_the_decoding_op_on_few_rows(monkeypatch):
         f.keep_gate = True  # the TwELL is asked for: the decoding op keeps none
         f(torch.randn(2, 64).bfloat16())
         assert f.last_path == "dense"
-    f.keep_gate = False
+        f.keep_gate = False
+        f.dense_rows = (1, 2048)  # set by hand over the decoding range: dense_rows wins, as on sparse layers
+        f(torch.randn(2, 64).bfloat16())
+        assert f.last_path == "dense"
+        f.dense_rows = (17, 2048)
     for active, rows in ((0.0, 16), (0.005, 16), (0.083, 3), (0.2, 1), (0.3, 0)):
         f._set_activity(active)
         assert f.decode_max_rows() == min(rows, f.decode_rows), active
     f.decode_rows = 4
     f._set_activity(0.005)
     assert f.decode_max_rows() == 4
+    f._set_activity(0.3)
+    assert "decoding op" not in f.auto_note  # too dense for it at any row count
     f.reset_auto()
     assert f.decode_max_rows() == 0  # nothing measured: no exception to "dense"

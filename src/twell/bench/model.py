@@ -28,7 +28,6 @@ import json
 import math
 import platform
 import time
-import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -163,36 +162,39 @@ def _generate_static(model, prompt: torch.Tensor, new: int, pad: int) -> torch.T
                           cache_implementation="static")
 
 
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {backend: compiled module}
-
-
 def _compiled(model, backend: str):
-    """``torch.compile(model, backend=backend)``, one per model and backend (compiled code is reused)."""
-    per = _COMPILED.setdefault(model, {})
+    """``torch.compile(model, backend=backend)``, one per model and backend, kept in the model's own
+    ``__dict__`` (not a submodule; freed with the model)."""
+    per = model.__dict__.setdefault("_twell_compiled_steps", {})
     if backend not in per:
         per[backend] = torch.compile(model, backend=backend, dynamic=False)
     return per[backend]
 
 
 def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
-                  compile_backend: Optional[str] = None) -> tuple[torch.Tensor, float]:
+                  compile_backend: Optional[str] = None,
+                  cache_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
     """Greedy decoding of ``new`` tokens after ``prompt`` with a static KV cache: ``(tokens [b, new], seconds)``,
     the seconds those of the ``new - 1`` steps after the prompt's forward. With ``graph`` (CUDA) each step's
     forward and argmax replay one CUDA graph, so launch overhead does not decide the comparison
     (BENCHMARK.md); otherwise the same steps run eagerly. ``compile_backend`` (e.g. ``"inductor"``) compiles
     the step's forward first, which fuses the small kernels around the FFN (norms, rotary embedding,
     attention's reshapes) for both paths alike; the prompt's forward stays eager. Same tokens as ``generate``
-    with greedy search (a compiled step may round differently: its tokens can part at a near-tie)."""
+    with greedy search (a compiled step may round differently: its tokens can part at a near-tie).
+    ``cache_len`` (default ``P + new``) sizes the KV cache: a compiled step is compiled per cache length,
+    so calls that should share it pass the same one."""
     from transformers import StaticCache
 
     b, P = prompt.shape
     device = prompt.device
-    cache = StaticCache(config=model.config, max_cache_len=P + new)
+    if cache_len is not None and cache_len < P + new:
+        raise ValueError(f"cache_len {cache_len} cannot hold the prompt ({P}) and {new} new tokens")
+    cache = StaticCache(config=model.config, max_cache_len=cache_len or P + new)
     logits = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(P, device=device),
                    use_cache=True).logits[:, -1]
     out = torch.empty(b, new, dtype=torch.long, device=device)
     out[:, 0] = logits.argmax(-1)
-    ids = out.new_empty((b, 1)).copy_(out[:, :1])  # its own strides: the same compiled step for every new
+    ids = out.new_empty((b, 1)).copy_(out[:, :1])  # its own strides, whatever new is (a compiled step guards them)
     pos = torch.tensor([P], device=device)
 
     fwd = model if compile_backend is None else _compiled(model, compile_backend)
@@ -246,24 +248,36 @@ def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig
         row["compile_backend"] = compile_backend
     reps = max(1, cfg.reps // 3)
     toks = {}
-    for side, m in models.items():
-        # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying the
-        # graph decodes what the eager steps decode (a compiled step may round differently: recorded instead)
-        eager, _ = static_greedy(m, prompt, 8, graph=False)
-        graphed, _ = static_greedy(m, prompt, 8, compile_backend=compile_backend)
-        if compile_backend is None and not torch.equal(eager, graphed):
-            raise RuntimeError(f"{side}: the CUDA-graph decoder's tokens differ from the eager steps' "
-                               f"({graphed.tolist()} vs {eager.tolist()})")
-        times = []
-        for _ in range(reps):
-            toks[side], secs = static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend)
-            times.append(secs)
-        secs = float(np.median(times))
-        row[side] = {"seconds": secs, "tokens_per_s": b * (cfg.new_tokens - 1) / secs,
-                     "peak_bytes": peak_memory_above_baseline(
-                         lambda: static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend), device)}
-        if compile_backend is not None:
-            row[side]["first_tokens_match_eager"] = bool(torch.equal(eager, graphed))
+    n_cache = cfg.prompt_len + cfg.new_tokens  # one cache length: one compiled step per side and batch
+    k = min(8, cfg.new_tokens)  # tokens of the checks before timing
+    # A compiled step past dynamo's recompile limit would run eagerly under this row's name: fail instead.
+    # Each side and batch compiles once (one code object for all of them): room for a few dozen.
+    limits = {k: v for k, v in (("fail_on_recompile_limit_hit", True), ("recompile_limit", 32))
+              if hasattr(torch._dynamo.config, k)}
+    with torch._dynamo.config.patch(**limits):
+        for side, m in models.items():
+            # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying
+            # the graph decodes what the same steps decode without it (eager, or compiled: a compiled step may
+            # round differently from the eager one, which is recorded)
+            eager, _ = static_greedy(m, prompt, k, graph=False, cache_len=n_cache)
+            plain = eager if compile_backend is None else static_greedy(
+                m, prompt, k, graph=False, compile_backend=compile_backend, cache_len=n_cache)[0]
+            graphed, _ = static_greedy(m, prompt, k, compile_backend=compile_backend, cache_len=n_cache)
+            if not torch.equal(plain, graphed):
+                raise RuntimeError(f"{side}: the CUDA-graph decoder's tokens differ from the same steps without "
+                                   f"the graph ({graphed.tolist()} vs {plain.tolist()})")
+            times = []
+            for _ in range(reps):
+                toks[side], secs = static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend,
+                                                 cache_len=n_cache)
+                times.append(secs)
+            secs = float(np.median(times))
+            row[side] = {"seconds": secs, "tokens_per_s": b * (cfg.new_tokens - 1) / secs,
+                         "peak_bytes": peak_memory_above_baseline(
+                             lambda: static_greedy(m, prompt, cfg.new_tokens, compile_backend=compile_backend,
+                                                   cache_len=n_cache), device)}
+            if compile_backend is not None:
+                row[side]["first_tokens_match_eager"] = bool(torch.equal(eager, graphed))
     if cfg.dense_checkpoint is None:  # a twin's tokens are another model's: nothing to compare
         diff = [(toks["dense"][r] != toks["sparse"][r]).nonzero() for r in range(b)]
         row["first_diff"] = [None if d.numel() == 0 else int(d[0]) for d in diff]

@@ -138,6 +138,7 @@ def _not_timed(f, x: Optional[torch.Tensor]) -> Optional[str]:
     if route != "kernel":
         return f"path 'auto' runs {route} on these inputs ({why})"
     if f._auto_dense:
-        return ("the layer runs dense by its activity threshold (the decoding op on up to "
-                f"{f.decode_max_rows()} rows: SparseFFN.decode_max_rows)")
+        n = f.decode_max_rows()
+        return ("the layer runs dense by its activity threshold ("
+                + (f"the decoding op on up to {n} rows: SparseFFN.decode_max_rows)" if n else "at every row count)"))
     return None

@@ -54,8 +54,9 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     the chosen ``union`` against dense PyTorch on the same inputs (``dense_ms``, ``sparse_ms``); it
     stays sparse unless dense is at least ``min_gain`` faster. Trained layers with 1.5-1.9% active ran
     1.10-1.66x faster than dense with the rule, where the threshold sent them to dense
-    (docs/kernels.md §8). ``runs`` reports the outcome (``"sparse"`` or ``"dense"``; None where
-    nothing was timed: another path, ``timed=False``, a layer the union analysis does not cover (it
+    (docs/kernels.md §8); a layer chosen dense still takes the decoding op on few rows where its
+    activity was measured (``SparseFFN.decode_max_rows``). ``runs`` reports the outcome (``"sparse"``
+    or ``"dense"``; None where nothing was timed: another path, ``timed=False``, a layer the union analysis does not cover (it
     keeps the threshold), a tracking layer, or inputs "auto" would not run on the kernels). The choice
     lasts until ``SparseFFN.reset_auto()`` or a new ``path``, which go back to the threshold; a later
     call with ``timed=False`` does not undo it.

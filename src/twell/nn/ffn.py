@@ -274,8 +274,10 @@ class SparseFFN(nn.Module):
         """Fix what ``"auto"`` runs from now on (dense, or the sparse path) in place of the activity
         threshold it would apply on its next call; ``note`` becomes ``auto_note`` (why). Lasts until
         :meth:`reset_auto` or a new ``path``. Where "auto" cannot run the kernels on an input (CPU, dtype,
-        shape), it still takes the reference or dense for that input. Used by
-        ``twell.model.choose_union_paths``, which times both on real inputs."""
+        shape), it still takes the reference or dense for that input. A layer fixed to dense keeps the
+        decoding op on few rows when its activity was measured before (:meth:`decode_max_rows`): the
+        choice is about the large-batch path. Used by ``twell.model.choose_union_paths``, which times
+        both on real inputs."""
         self._auto_dense = bool(dense)
         self.auto_note = self._activity_note = note
 
@@ -398,7 +400,7 @@ class SparseFFN(nn.Module):
             rows = x.numel() // x.shape[-1]
             if self._auto_dense:
                 if self._decode_fits(rows):
-                    return self._sparse(x, use_kernel=True)
+                    return self._sparse(x, use_kernel=True, checked=True)
                 return self._dense(x)
             if self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]:
                 note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
@@ -421,7 +423,7 @@ class SparseFFN(nn.Module):
                 # captured call runs the kernels, and the first call outside a capture measures.
                 measure = False
                 self.auto_note = "auto: activity not measured yet (this call was captured in a CUDA graph)"
-            return self._sparse(x, use_kernel=True, measure=measure)
+            return self._sparse(x, use_kernel=True, measure=measure, checked=True)
         if path == "dense" or self.activation != "relu" or self.track:
             # Tracking needs the dense hidden state for its statistics; the sparse paths compute relu
             # (the path setter refuses them for another activation, which may be changed after).
@@ -444,6 +446,7 @@ class SparseFFN(nn.Module):
                 raise ValueError(f"path='kernel' cannot run this layer: {why} (path='auto' takes the reference)")
         return self._sparse(x, use_kernel=(path == "kernel"))
 
+    @torch.compiler.disable  # a host read and a formatted note: eager even inside compiled code
     def _measure_activity(self, gate) -> None:
         if gate.n_rows == 0:  # an empty batch says nothing: the next call with tokens measures
             return
@@ -456,8 +459,9 @@ class SparseFFN(nn.Module):
         if self._auto_dense:
             self._activity_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
                                    f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on"
-                                   + (f", but for the decoding op up to {self.decode_max_rows()} rows"
-                                      if self.decode_max_rows() else ""))
+                                   + (", but for the decoding op on as few rows as keep their expected union "
+                                      f"of active neurons within {100 * DECODE_MAX_UNION:.0f}% of H "
+                                      "(decode_max_rows())" if self.decode_max_rows() else ""))
         self.auto_note = self._activity_note
 
     def decode_max_rows(self) -> int:
@@ -473,7 +477,8 @@ class SparseFFN(nn.Module):
         return min(self.decode_rows, int(math.log1p(-DECODE_MAX_UNION) / math.log1p(-a) + 1e-9))
 
     def _decode_fits(self, rows: int) -> bool:
-        return 0 < rows <= self.decode_max_rows() and not self.keep_gate
+        forced = self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]  # dense_rows wins
+        return 0 < rows <= self.decode_max_rows() and not self.keep_gate and not forced
 
     def _check_width(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.hidden_size:
@@ -591,8 +596,11 @@ class SparseFFN(nn.Module):
         """Whether any projection carries a bias (the sparse paths take none: BIAS_ERROR)."""
         return any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def _sparse(self, x: torch.Tensor, *, use_kernel: bool, measure: bool = False) -> torch.Tensor:
-        """The sparse forward; the caller (forward) has checked that this path can run the layer."""
+    def _sparse(self, x: torch.Tensor, *, use_kernel: bool, measure: bool = False,
+                checked: bool = False) -> torch.Tensor:
+        """The sparse forward; the caller (forward) has checked that this path can run the layer. With
+        ``checked`` ("auto"'s kernel route: bf16 CUDA input, bf16 contiguous aligned weights) the decoding op
+        skips its Python checks; the extension still checks every tensor (a RuntimeError, not a ValueError)."""
         if use_kernel:
             from twell import kernels as impl
 
@@ -611,7 +619,10 @@ class SparseFFN(nn.Module):
             # A few rows (generation): the gate read in full, only the active neurons' up and down rows
             # (docs/decoding.md); no TwELL.
             gate = None
-            out = impl.decode_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
+            # On "auto"'s checked route (x2 is contiguous and aligned here) the kernel op skips its Python
+            # checks (the extension still checks): host time a token-by-token loop pays per layer.
+            op = impl.decode_gated_ffn_trusted if checked else impl.decode_gated_ffn
+            out = op(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
         elif self.gated and not (measure or self.keep_gate):
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (docs/kernels.md §6).

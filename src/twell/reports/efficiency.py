@@ -85,12 +85,12 @@ def efficiency_table(results: list[dict]):
         m, meta = res["model"], res["meta"]
         big = _largest_prefill(res)
         dec1 = min((r for r in res["rows"] if r["measure"] == "decode"), key=lambda r: r["batch"], default=None)
-        # the decode rows without launch overhead: the compiled step where it was measured, else the eager step
-        graph = ([r for r in res["rows"] if r["measure"] == "decode-compiled-graph"]
-                 or [r for r in res["rows"] if r["measure"] == "decode-graph"])
-        dg1 = min(graph, key=lambda r: r["batch"], default=None)
-        if dec1 is not None and dg1 is not None and dg1["batch"] != dec1["batch"]:  # one batch per table row
-            dg1 = next((r for r in graph if r["batch"] == dec1["batch"]), None)
+        # the decode row without launch overhead at the eager row's batch (else the smallest): the compiled
+        # step where it was measured, else the eager step
+        graphs = [r for r in res["rows"] if r["measure"] in ("decode-compiled-graph", "decode-graph")]
+        batch = dec1["batch"] if dec1 else min((r["batch"] for r in graphs), default=None)
+        at = [r for r in graphs if r["batch"] == batch]
+        dg1 = next((r for r in at if r["measure"] == "decode-compiled-graph"), at[0] if at else None)
         tr = _row(res, "training")
         e_d = big["dense"].get("joules_per_token") if big else None
         e_s = big["sparse"].get("joules_per_token") if big else None

@@ -316,6 +316,36 @@ def activity_table(result: "str | Path | dict"):
     return pd.DataFrame(rows)
 
 
+def activity_by_depth(results: "dict[str, str | Path | dict]"):
+    """``(figure, table)`` of several ``python -m twell.bench activity`` results (label -> JSON path or dict,
+    e.g. one per model scale): active neurons per token by relative depth (layer / (layers - 1)), each
+    result's sparse model solid and its dense twin dashed (log scale); the table gives per model its
+    layers, mean, first-layer, last-layer and least active layer's share of H."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    if not results:
+        raise ValueError("activity_by_depth needs at least one activity result")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    rows = []
+    for i, (label, result) in enumerate(results.items()):
+        for name, m in _activity_models(result).items():
+            frac = 100 * np.asarray(m["active_frac_per_layer"], dtype=float)
+            depth = np.arange(len(frac)) / max(1, len(frac) - 1)
+            dense = name == "dense"
+            ax.plot(depth, frac, "o--" if dense else "o-", ms=3, lw=1, color=f"C{i}", alpha=0.6 if dense else 1.0,
+                    label=f"{label} {name} ({len(frac)} layers, mean {100 * m['active_frac_mean']:.2f}%)")
+            rows.append({"result": label, "model": name, "layers": len(frac),
+                         "mean active %": 100 * m["active_frac_mean"], "first layer %": frac[0],
+                         "last layer %": frac[-1], "least active layer": int(frac.argmin()),
+                         "least active %": float(frac.min()), "tokens": m["tokens"]})
+    ax.set(xlabel="relative depth (layer / (layers - 1))", ylabel="active neurons per token (% of H)",
+           yscale="log", title="activity by depth")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6)
+    return _finish(fig, None), pd.DataFrame(rows)
+
+
 def plot_checkpoint_activity(result: "str | Path | dict", title: str | None = None):
     """A checkpoint's activity on held-out tokens (``python -m twell.bench activity``): active neurons per
     token by layer (each model), and by token position for every layer of each model (log scale)."""
