@@ -172,3 +172,22 @@ def test_static_greedy_cache_len():
         assert torch.equal(short, long)
         with pytest.raises(ValueError, match="cannot hold"):
             static_greedy(m, prompt, 6, cache_len=10)
+
+
+def test_ffn_at_paper_sparsity_reads_the_committed_benchmarks():
+    """Notebook 04's FFN-level table: the nnz29 rows of the three kernel benchmarks, as they recorded them."""
+    files = {"inference": "reports/bench/ffn-NVIDIA-H100-80GB-HBM3-20261127T111641Z-s39-H100.json",
+             "training": "reports/bench/ffn-NVIDIA-H200-20261128T171703Z-train.json",
+             "decode": "reports/bench/decode-NVIDIA-H200-20261128T193313Z.json"}
+    t = efficiency.ffn_at_paper_sparsity(files)
+    assert t["measure"].tolist() == ["inference"] * 3 + ["training"] + ["decode"] * 4
+    assert t[t["measure"] == "inference"]["M"].tolist() == [8192, 65536, 131072]
+    train = json.loads((efficiency.repo_root() / files["training"]).read_text())
+    want = [c["impls"]["twell-train-kernel"]["speedup"] for c in train["cases"] if c["case"]["sparsity"] == "nnz29"]
+    assert t[t["measure"] == "training"]["sparse / dense"].tolist() == want
+    assert set(t[t["measure"] == "decode"]["M"]) == {1, 4, 16, 32} and set(t["device"]) == {"NVIDIA H100 80GB HBM3",
+                                                                                             "NVIDIA H200"}
+    with pytest.raises(ValueError, match="unknown measure"):
+        efficiency.ffn_at_paper_sparsity({"prefill": files["decode"]})
+    with pytest.raises(ValueError, match="no decode result"):
+        efficiency.ffn_at_paper_sparsity({"decode": files["decode"]}, case="nnz999")

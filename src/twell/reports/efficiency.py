@@ -172,3 +172,38 @@ def figures(results: list[dict], title: Optional[str] = None) -> dict:
             fig.suptitle(title, fontsize=9)
         fig.tight_layout()
     return figs
+
+
+# The paper's sparsity at 1.5B: about 29 of 5632 neurons active per token (the benchmarks' "nnz29" case).
+PAPER_CASE = "nnz29"
+FFN_MEASURES = {"inference": "large-batch op (gate + fused kernel)", "training": "training kernels (forward + backward)",
+                "decode": "decoding op"}
+
+
+def ffn_at_paper_sparsity(files: Mapping[str, str | Path], case: str = PAPER_CASE):
+    """The FFN alone at the paper's sparsity, from the kernel benchmarks' JSON (synthetic activations from
+    the calibrated generator, D 2048, H 5632), beside the models trained here: ``files`` maps
+    ``"inference"`` (``python -m twell.bench ffn``), ``"training"`` (``... train-ffn``) and ``"decode"``
+    (``... decode``) to a result file; any may be left out. One row per measure and row count M: the
+    sparse implementation's speed over dense PyTorch in that run, its device and the file."""
+    import pandas as pd
+
+    unknown = sorted(set(files) - set(FFN_MEASURES))
+    if unknown:
+        raise ValueError(f"unknown measure(s) {unknown}: expected some of {sorted(FFN_MEASURES)}")
+    rows = []
+    for measure, f in files.items():
+        res = load_results([f])[0]
+        device = res["meta"].get("device_name", "?")
+        if measure == "decode":
+            found = [(r["M"], r["impls"].get("decode-kernel", {}).get("speedup")) for r in res["rows"] if r["case"] == case]
+        else:
+            kind, impl = ("inference", "twell-kernel") if measure == "inference" else ("train", "twell-train-kernel")
+            found = [(c["case"]["M"], c["impls"].get(impl, {}).get("speedup")) for c in res["cases"]
+                     if c["case"]["kind"] == kind and c["case"]["sparsity"] == case]
+        found = [(m, s) for m, s in found if s is not None]
+        if not found:
+            raise ValueError(f"{f}: no {measure} result for case {case!r}")
+        rows += [{"measure": measure, "implementation": FFN_MEASURES[measure], "case": case, "M": m,
+                  "sparse / dense": s, "device": device, "file": Path(f).name} for m, s in sorted(found)]
+    return pd.DataFrame(rows)
