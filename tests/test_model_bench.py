@@ -73,12 +73,17 @@ def test_static_cache_decode_rows_and_greedy_token_check(pair):
     assert "identical" in markdown_report(res)
 
 
+def _decoder(layers: int = 2):
+    """A tiny random decoder (seed 0) whose greedy tokens vary: what the static-cache decoder tests run."""
+    torch.manual_seed(0)
+    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=2,
+                     num_kv_heads=2, max_position_embeddings=64, init_std=0.3)
+    return build_model(mc).eval()
+
+
 def test_static_greedy_gives_generate_s_tokens():
     """The CUDA-graph decoder's loop (eager here) with a static KV cache: the tokens of greedy generate."""
-    torch.manual_seed(0)
-    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
-                     max_position_embeddings=64, init_std=0.3)
-    m = build_model(mc).eval()
+    m = _decoder()
     prompt = torch.randint(0, 97, (2, 9))
     with torch.inference_mode():
         tokens, secs = static_greedy(m, prompt, 12)
@@ -149,10 +154,7 @@ def test_compiled_graph_decode_rows(pair):
 
 
 def test_compiled_static_greedy_gives_the_eager_tokens():
-    torch.manual_seed(0)
-    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=2,
-                     max_position_embeddings=64, init_std=0.3)
-    m = build_model(mc).eval()
+    m = _decoder()
     prompt = torch.randint(0, 97, (1, 9))
     with torch.inference_mode():
         eager, _ = static_greedy(m, prompt, 10, graph=False)
@@ -161,10 +163,7 @@ def test_compiled_static_greedy_gives_the_eager_tokens():
 
 
 def test_static_greedy_cache_len():
-    torch.manual_seed(0)
-    mc = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=2,
-                     max_position_embeddings=64, init_std=0.3)
-    m = build_model(mc).eval()
+    m = _decoder(1)
     prompt = torch.randint(0, 97, (1, 9))
     with torch.inference_mode():
         short, _ = static_greedy(m, prompt, 6, graph=False)

@@ -236,6 +236,12 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
     return out, time.perf_counter() - t0
 
 
+def _first_diffs(a: torch.Tensor, b: torch.Tensor) -> list:
+    """Per row of two [rows, tokens] token tensors: the index of the first token where they differ, or None."""
+    diff = [(a[r] != b[r]).nonzero() for r in range(a.shape[0])]
+    return [None if d.numel() == 0 else int(d[0]) for d in diff]
+
+
 def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", device: torch.device,
                       compile_backend: Optional[str] = None) -> dict:
     """decode-graph (eager step) or decode-compiled-graph (``compile_backend``) row. When both sides hold the
@@ -249,20 +255,20 @@ def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig
     reps = max(1, cfg.reps // 3)
     toks = {}
     n_cache = cfg.prompt_len + cfg.new_tokens  # one cache length: one compiled step per side and batch
-    k = min(8, cfg.new_tokens)  # tokens of the checks before timing
+    n_check = min(8, cfg.new_tokens)  # tokens of the checks before timing
     # A compiled step past dynamo's recompile limit would run eagerly under this row's name: fail instead.
     # Each side and batch compiles once (one code object for all of them): room for a few dozen.
-    limits = {k: v for k, v in (("fail_on_recompile_limit_hit", True), ("recompile_limit", 32))
-              if hasattr(torch._dynamo.config, k)}
+    limits = {name: v for name, v in (("fail_on_recompile_limit_hit", True), ("recompile_limit", 32))
+              if hasattr(torch._dynamo.config, name)}
     with torch._dynamo.config.patch(**limits):
         for side, m in models.items():
             # warm-up (the sparse layers' first-call measurement happens eagerly), and a check that replaying
             # the graph decodes what the same steps decode without it (eager, or compiled: a compiled step may
             # round differently from the eager one, which is recorded)
-            eager, _ = static_greedy(m, prompt, k, graph=False, cache_len=n_cache)
+            eager, _ = static_greedy(m, prompt, n_check, graph=False, cache_len=n_cache)
             plain = eager if compile_backend is None else static_greedy(
-                m, prompt, k, graph=False, compile_backend=compile_backend, cache_len=n_cache)[0]
-            graphed, _ = static_greedy(m, prompt, k, compile_backend=compile_backend, cache_len=n_cache)
+                m, prompt, n_check, graph=False, compile_backend=compile_backend, cache_len=n_cache)[0]
+            graphed, _ = static_greedy(m, prompt, n_check, compile_backend=compile_backend, cache_len=n_cache)
             if not torch.equal(plain, graphed):
                 raise RuntimeError(f"{side}: the CUDA-graph decoder's tokens differ from the same steps without "
                                    f"the graph ({graphed.tolist()} vs {plain.tolist()})")
@@ -279,8 +285,7 @@ def _graph_decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig
             if compile_backend is not None:
                 row[side]["first_tokens_match_eager"] = bool(torch.equal(eager, graphed))
     if cfg.dense_checkpoint is None:  # a twin's tokens are another model's: nothing to compare
-        diff = [(toks["dense"][r] != toks["sparse"][r]).nonzero() for r in range(b)]
-        row["first_diff"] = [None if d.numel() == 0 else int(d[0]) for d in diff]
+        row["first_diff"] = _first_diffs(toks["dense"], toks["sparse"])
         row["tokens_same"] = all(f is None for f in row["first_diff"])
     row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
     return row
@@ -317,8 +322,7 @@ def graph_token_check(model, prompt: torch.Tensor, new: int, sparse_path: str = 
             toks[path] = static_greedy(model, prompt, new)[0]
     finally:
         set_ffn_path(model, sparse_path)
-    diff = [(toks["dense"][r] != toks[sparse_path][r]).nonzero() for r in range(prompt.shape[0])]
-    first = [None if d.numel() == 0 else int(d[0]) for d in diff]
+    first = _first_diffs(toks["dense"], toks[sparse_path])
     return {"same": all(f is None for f in first), "first_diff": first, "new_tokens": new}
 
 
@@ -345,12 +349,10 @@ def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_p
     P = prompt.shape[1]
     dt, st = d.sequences[:, P:], s.sequences[:, P:]
     rows = []
-    for r in range(dt.shape[0]):
-        diff = (dt[r] != st[r]).nonzero()
-        if diff.numel() == 0:
+    for r, i in enumerate(_first_diffs(dt, st)):
+        if i is None:
             rows.append({"first_diff": None})
             continue
-        i = int(diff[0])
         top = d.scores[i][r].float().topk(2).values
         step = float(torch.finfo(torch.bfloat16).eps) * max(abs(float(top[0])), 1e-30)
         rows.append({"first_diff": i, "margin": float(top[0] - top[1]), "bf16_step": step,

@@ -402,7 +402,7 @@ class SparseFFN(nn.Module):
                 if self._decode_fits(rows):
                     return self._sparse(x, use_kernel=True, checked=True)
                 return self._dense(x)
-            if self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]:
+            if self._in_dense_rows(rows):
                 note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
                         "dense is faster there)")
                 if (self._auto_dense is None and rows > 0 and not torch.compiler.is_compiling()
@@ -476,9 +476,12 @@ class SparseFFN(nn.Module):
         # the largest n with 1 - (1 - a)^n <= DECODE_MAX_UNION
         return min(self.decode_rows, int(math.log1p(-DECODE_MAX_UNION) / math.log1p(-a) + 1e-9))
 
+    def _in_dense_rows(self, rows: int) -> bool:
+        return self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]
+
     def _decode_fits(self, rows: int) -> bool:
-        forced = self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]  # dense_rows wins
-        return 0 < rows <= self.decode_max_rows() and not self.keep_gate and not forced
+        # dense_rows wins here as on sparse layers
+        return 0 < rows <= self.decode_max_rows() and not self.keep_gate and not self._in_dense_rows(rows)
 
     def _check_width(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.hidden_size:
