@@ -519,34 +519,75 @@ at::Tensor transpose_bf16(const at::Tensor& w) {
   return t;
 }
 
+// Rows of one round of the training forward's dense path for heavy rows: M / 8 (the paper's dense
+// backup), rounded up to 128, at most M rounded up to 128. More heavy rows take more rounds.
+int64_t train_dense_cap(int64_t M) {
+  auto up = [](int64_t v) { return std::max<int64_t>(128, (v + 127) / 128 * 128); };
+  return std::min(up(M / 8), up(M));
+}
+
 // The sparse training FFN's forward (twell.kernels.training): out, row_l1, nnz, neuron_active, then
-// what the backward reads (idx, val, u, h, heavy rows padded with -1, the work list: ent, items,
-// longs; sizes: CPU int64 [4] = heavy rows, items, partials, long neurons; w_down_t). One host sync.
+// what the backward reads (idx, val, u, h, heavy rows int32 ascending padded with -1, the work list:
+// ent, items, longs; sizes: int64 [4] on the device = heavy rows, items, partials, long neurons;
+// w_down_t). With D a multiple of 64 no host sync: heavy rows take the dense tensor-core path
+// (twell_dense.cu), which reads their count on the device, and sizes_host (pinned CPU int64 [4], may
+// be absent) receives sizes by an asynchronous copy for the backward. Other D read the heavy-row
+// count back (one sync) and run those rows through cuBLAS.
 std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                                      const at::Tensor& w_down, int64_t slots, int64_t chunk) {
+                                      const at::Tensor& w_down, int64_t slots, int64_t chunk,
+                                      const c10::optional<at::Tensor>& sizes_host) {
   check_bf16_matrix(x, "x");
   check_bf16_matrix(w_gate, "w_gate");
   check_bf16_matrix(w_down, "w_down");
-  const int64_t M = x.size(0), H = w_gate.size(0);
-  TORCH_CHECK(w_down.size(0) == x.size(1) && w_down.size(1) == H, "twell.train_forward: w_down must be [D, H]");
+  const int64_t M = x.size(0), D = x.size(1), H = w_gate.size(0);
+  TORCH_CHECK(w_down.size(0) == D && w_down.size(1) == H, "twell.train_forward: w_down must be [D, H]");
+  if (sizes_host.has_value())
+    TORCH_CHECK(!sizes_host->is_cuda() && sizes_host->is_pinned() && sizes_host->scalar_type() == at::kLong &&
+                    sizes_host->numel() == 4 && sizes_host->is_contiguous(),
+                "twell.train_forward: sizes_host must be a pinned CPU int64 tensor of 4 elements");
   const c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor g = at::mm(x, w_gate.t());
   auto c = train_compact(g, slots);
   const at::Tensor &idx = c[0], &val = c[1], &nnz = c[2];
-  at::Tensor heavy_mask = nnz.gt(slots);
+  const at::Tensor heavy_mask = nnz.gt(slots);
+  const at::Tensor n_heavy_dev = heavy_mask.sum(at::kInt);
   auto wl = train_worklist(idx, nnz, H, slots, chunk);
-  at::Tensor heavy = at::nonzero_static(heavy_mask, M, -1).view({-1});
-  // The sync before the light-row kernel, its longest: the host queues that kernel and the rest while it runs.
-  const at::Tensor sizes = at::cat({heavy_mask.sum(at::kInt).view({1}), wl[3]}).to(at::kLong).cpu();
+  const at::Tensor heavy = at::nonzero_static(heavy_mask, M, -1).view({-1}).to(at::kInt);
+  const at::Tensor sizes = at::cat({n_heavy_dev.view({1}), wl[3]}).to(at::kLong);
+  if (sizes_host.has_value()) sizes_host->copy_(sizes, /*non_blocking=*/true);
+  const bool dense_path = D % 64 == 0 && M > 0;
+  if (dense_path) g.reset();  // the dense path recomputes its rows' gate: free [M, H] before the row kernel
   at::Tensor w_down_t = transpose_bf16(w_down);
   auto f = train_rows_forward(x, idx, val, nnz, w_up, w_down_t, slots);
   at::Tensor &out = f[0], &row_l1 = f[3];
-  const int64_t n_heavy = sizes[0].item<int64_t>();
-  if (n_heavy > 0) {
-    const at::Tensor rows = heavy.narrow(0, 0, n_heavy);
-    const at::Tensor hh = at::relu(g.index_select(0, rows)) * at::mm(x.index_select(0, rows), w_up.t());
-    out.index_copy_(0, rows, at::mm(hh, w_down.t()));
-    row_l1.index_copy_(0, rows, hh.abs().sum({1}, false, at::kFloat));
+  if (dense_path) {
+    const int64_t cap = train_dense_cap(M), tiles = twell::dense_l1_tiles(int(H));
+    at::Tensor xh = at::empty({cap, D}, x.options());
+    at::Tensor hidden = at::empty({cap, twell::dense_hidden_width(int(H))}, x.options());
+    at::Tensor part = at::empty({std::max<int64_t>(M, 1), tiles}, x.options().dtype(at::kFloat));
+    int sms = 0;
+    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "SM count");
+    const int* cnt = n_heavy_dev.data_ptr<int>();
+    const int* rows = heavy.data_ptr<int>();
+    check_launch(twell::launch_train_heavy_gather(x.data_ptr(), cnt, rows, xh.data_ptr(), int(cap), int(D), stream),
+                 "train_forward (heavy rows' x)");
+    check_launch(twell::launch_dense_rows(x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), w_down_t.data_ptr(),
+                                          out.data_ptr(), reinterpret_cast<const uint32_t*>(cnt),
+                                          reinterpret_cast<const uint32_t*>(rows), xh.data_ptr(), hidden.data_ptr(),
+                                          int(cap), int(D), int(H), sms, stream, 1, part.data_ptr<float>()),
+                 "train_forward (heavy rows)");
+    check_launch(twell::launch_train_heavy_l1(cnt, rows, part.data_ptr<float>(), int(tiles), row_l1.data_ptr<float>(),
+                                              int(M), stream),
+                 "train_forward (heavy rows' L1)");
+  } else {
+    const int64_t n_heavy = n_heavy_dev.item<int>();  // the one host sync of this path
+    if (n_heavy > 0) {
+      const at::Tensor rows = heavy.narrow(0, 0, n_heavy).to(at::kLong);
+      const at::Tensor hh = at::relu(g.index_select(0, rows)) * at::mm(x.index_select(0, rows), w_up.t());
+      out.index_copy_(0, rows, at::mm(hh, w_down.t()));
+      row_l1.index_copy_(0, rows, hh.abs().sum({1}, false, at::kFloat));
+    }
   }
   return {out, row_l1, nnz, c[3].to(at::kBool), idx, val, f[1], f[2], heavy, wl[0], wl[1], wl[2], sizes, w_down_t};
 }
@@ -559,16 +600,19 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
                                        const at::Tensor& nnz, const at::Tensor& heavy, const at::Tensor& ent,
                                        const at::Tensor& items, const at::Tensor& longs, const at::Tensor& sizes,
                                        int64_t slots) {
-  TORCH_CHECK(!sizes.is_cuda() && sizes.scalar_type() == at::kLong && sizes.numel() == 4,
-              "twell.train_backward: sizes must be the forward's CPU int64 [4]");
+  TORCH_CHECK(sizes.scalar_type() == at::kLong && sizes.numel() == 4,
+              "twell.train_backward: sizes must be the forward's int64 [4]");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t* sz = sizes.data_ptr<int64_t>();
+  // On the device (a compiled graph) it is read here, one host sync; eager calls pass the forward's
+  // asynchronous copy, complete by then.
+  const at::Tensor sz_host = sizes.is_cuda() ? sizes.cpu() : sizes.contiguous();
+  const int64_t* sz = sz_host.data_ptr<int64_t>();
   const int64_t n_heavy = sz[0], n_items = sz[1], n_part = sz[2], n_long = sz[3], H = w_gate.size(0);
   auto b = train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad, slots);
   at::Tensor &dx = b[0];
   c10::optional<at::Tensor> pd, pu, pg;
   if (n_heavy > 0) {
-    const at::Tensor rows = heavy.narrow(0, 0, n_heavy);
+    const at::Tensor rows = heavy.narrow(0, 0, n_heavy).to(at::kLong);
     const at::Tensor xh = x.index_select(0, rows), dyh = d_out.index_select(0, rows);
     const at::Tensor gh = at::mm(xh, w_gate.t()), uh = at::mm(xh, w_up.t());
     const at::Tensor gr = at::relu(gh), hh = gr * uh;
@@ -626,8 +670,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("g"), pybind11::arg("slots"));
   m.def("train_rows_forward", &train_rows_forward, "training forward of the light rows");
   m.def("train_rows_backward", &train_rows_backward, "training backward (dx, du, dg) of the light rows");
-  m.def("train_forward", &train_forward, "the sparse training FFN's forward (one host sync)");
-  m.def("train_backward", &train_backward, "the sparse training FFN's backward (no host sync)");
+  m.def("train_forward", &train_forward, "the sparse training FFN's forward (no host sync where D % 64 == 0)",
+        pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down"),
+        pybind11::arg("slots"), pybind11::arg("chunk"), pybind11::arg("sizes_host") = pybind11::none());
+  m.def("train_backward", &train_backward, "the sparse training FFN's backward (no host sync given sizes on the CPU)");
+  m.def("train_dense_cap", &train_dense_cap, "rows of one round of the training forward's dense path",
+        pybind11::arg("M"));
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");
   m.def("train_columns", &train_columns, "weight gradients from the column-sorted entries");

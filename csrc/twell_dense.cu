@@ -56,12 +56,14 @@ struct Args {
   __nv_bfloat16* hidden;   // [cap, HP]
   __nv_bfloat16* out;      // [M, D]
   int D, H, HP;            // HP: H rounded up to BN
+  int min_rows;            // the path runs when at least this many rows are queued
+  float* l1_part;          // gated hidden only, may be null: [queue, HP / (BN / 2)] sums of |hidden| per tile
 };
 
 // Rows of the queue the dense path computes in total (0 or all of them), and in its first round.
 __device__ __forceinline__ int queued_rows(const Args& a) {
   const uint32_t queued = *reinterpret_cast<const volatile uint32_t*>(a.count);
-  return dense_takes_queue(queued, a.cap) ? int(queued) : 0;
+  return a.cap > 0 && queued >= uint32_t(a.min_rows) ? int(queued) : 0;
 }
 
 template <int MODE>
@@ -95,7 +97,7 @@ __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty) {
 template <int MODE>
 __device__ __forceinline__ void gemm_tiles(const CUtensorMap* map_a, const CUtensorMap* map_b0,
                                            const CUtensorMap* map_b1, const Args& a, int n, const uint32_t* rows,
-                                           uint8_t* smem, uint64_t* full, uint64_t* empty, int& stage,
+                                           int base, uint8_t* smem, uint64_t* full, uint64_t* empty, int& stage,
                                            uint32_t& phase) {
   const int m_blocks = (n + BM - 1) / BM;
   constexpr int NCOL = MODE == HIDDEN_GATED ? BN / 2 : BN;  // output columns per tile
@@ -171,6 +173,7 @@ __device__ __forceinline__ void gemm_tiles(const CUtensorMap* map_a, const CUten
         if constexpr (MODE == HIDDEN_GATED) {
           // Gate column j in acc[.. j / 8 ..], up column j sixteen words further: as dense PyTorch,
           // h = bf16(relu(bf16(gate)) * bf16(up)).
+          float l1 = 0.f;
 #pragma unroll
           for (int i = 0; i < 16; ++i) {
             __nv_bfloat16 h[2];
@@ -179,8 +182,15 @@ __device__ __forceinline__ void gemm_tiles(const CUtensorMap* map_a, const CUten
               const float g = __bfloat162float(relu_bf16(acc[4 * i + 2 * hf + e]));
               const float u = __bfloat162float(__float2bfloat16_rn(acc[4 * (i + 16) + 2 * hf + e]));
               h[e] = keep(col0 + 8 * i + e, __float2bfloat16_rn(g * u));
+              l1 += fabsf(__bfloat162float(h[e]));
             }
             o[4 * i] = pack_bf16x2(h[0], h[1]);
+          }
+          if (a.l1_part != nullptr) {  // uniform over the grid: every lane of the quad shuffles
+            // The four lanes of a quad hold this row's 128 columns of the tile: a fixed-order sum.
+            l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+            l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+            if (q == 0 && r < n) a.l1_part[size_t(base + r) * (a.HP / NCOL) + nb] = l1;
           }
         } else {
 #pragma unroll
@@ -207,7 +217,7 @@ __global__ void __launch_bounds__(384, 1)
   init_barriers(full, empty);
   int stage = 0;
   uint32_t phase = threadIdx.x < 128 ? 1u : 0u;  // the producer: a fresh barrier counts as released once
-  gemm_tiles<MODE>(&map_a, &map_b0, &map_b1, a, n, a.rows, smem, full, empty, stage, phase);
+  gemm_tiles<MODE>(&map_a, &map_b0, &map_b1, a, n, a.rows, 0, smem, full, empty, stage, phase);
 }
 
 // Global writes of this thread (generic proxy) ordered before later TMA reads (async proxy) that a
@@ -246,10 +256,10 @@ __global__ void __launch_bounds__(384, 1)
     fence_async_global();
     grid.sync();
     gemm_tiles<GATED ? HIDDEN_GATED : HIDDEN_ACT>(&map_xh, &map_act, GATED ? &map_up : &map_act, a, n, nullptr,
-                                                  smem, full, empty, stage, phase);
+                                                  base, smem, full, empty, stage, phase);
     fence_async_global();
     grid.sync();
-    gemm_tiles<DOWN>(&map_hidden, &map_down, &map_down, a, n, a.rows + base, smem, full, empty, stage, phase);
+    gemm_tiles<DOWN>(&map_hidden, &map_down, &map_down, a, n, a.rows + base, base, smem, full, empty, stage, phase);
     grid.sync();  // the next round rewrites xh, and its hidden GEMM rewrites hidden
   }
 }
@@ -288,19 +298,23 @@ cudaError_t launch_rounds(const CUtensorMap& xh, const CUtensorMap& act, const C
 
 int dense_hidden_width(int H) { return (H + dense::BN - 1) / dense::BN * dense::BN; }
 
+int dense_l1_tiles(int H) { return dense_hidden_width(H) / (dense::BN / 2); }
+
 size_t dense_workspace_words(int cap, int D, int H) {
   return (size_t(cap) * size_t(D + dense_hidden_width(H))) / 2;  // bf16 pairs
 }
 
 cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
-                              int ctas, cudaStream_t stream) {
+                              int ctas, cudaStream_t stream, int min_rows, float* l1_part) {
   if (cap <= 0) return cudaSuccess;
-  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || x == nullptr || ctas <= 0)
+  if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || x == nullptr || ctas <= 0 ||
+      (l1_part != nullptr && w_up == nullptr))
     return cudaErrorInvalidValue;
   const int HP = dense_hidden_width(H);
   const dense::Args a{count, rows, cap, static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(xh),
-                      static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, H, HP};
+                      static_cast<__nv_bfloat16*>(hidden), static_cast<__nv_bfloat16*>(out), D, H, HP,
+                      min_rows > 1 ? min_rows : 1, l1_part};
   CUtensorMap m_xh, m_act, m_up, m_hidden, m_down;
   const bool gated = w_up != nullptr;
   if (!make_map(&m_xh, xh, cap, D, dense::BM) || !make_map(&m_act, w_act, H, D, gated ? dense::BN / 2 : dense::BN) ||

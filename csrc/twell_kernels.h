@@ -69,9 +69,16 @@ __host__ __device__ inline bool dense_takes_queue(uint32_t queued, int cap) {
 }
 int dense_hidden_width(int H);
 size_t dense_workspace_words(int cap, int D, int H);
+// Column tiles of the gated hidden GEMM per row: the stride of l1_part below.
+int dense_l1_tiles(int H);
+// ctas: persistent CTAs per kernel (the SMs to use). min_rows: the path runs when at least this many
+// rows are queued (the inference FFN: kDenseMinRows; training: 1, it has no per-row heavy kernel).
+// l1_part (gated only, may be null): fp32 [queue length, dense_l1_tiles(H)], entry [q][t] = sum of
+// |hidden| of queue entry q over column tile t (each summed in a fixed order).
 cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
-                              int ctas, cudaStream_t stream);  // ctas: persistent CTAs per kernel (the SMs to use)
+                              int ctas, cudaStream_t stream, int min_rows = kDenseMinRows,
+                              float* l1_part = nullptr);
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
 struct Workspace {
@@ -150,6 +157,12 @@ cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, i
 cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream);
 cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
                               const int* col_ptr, cudaStream_t stream);
+// Heavy rows of the training forward on the dense path: xh[r] = x[rows[r]] for r < min(*count, cap)
+// (its first round), and row_l1[rows[q]] = sum over t of l1_part[q][t] for q < *count.
+cudaError_t launch_train_heavy_gather(const void* x, const int* count, const int* rows, void* xh, int cap, int D,
+                                      cudaStream_t stream);
+cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,
+                                  int M, cudaStream_t stream);
 cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,
                               int* item_lo, int* item_hi, int* item_part, int* long_col, int* long_lo, int* long_n,
                               bool fill, cudaStream_t stream);

@@ -12,6 +12,8 @@
 //
 // Every accumulation is fp32 and runs in a fixed order (rows in slot order, neurons' rows ascending,
 // long neurons split into chunks summed in chunk order), so results are deterministic.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -24,7 +26,10 @@
 namespace twell {
 namespace {
 
-constexpr int kRowsPerBlock = 8;  // rows per block (one warp each) of the compaction and work-list kernels
+constexpr int kRowsPerBlock = 8;
+// Entries per step of the weight-gradient kernel, their loads issued first (4: 64 registers, fewer
+// blocks per SM, 0.93 -> 1.04 ms at nnz 29 on an H200).
+constexpr int kColumnBatch = 2;  // rows per block (one warp each) of the compaction and work-list kernels
 
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -338,35 +343,33 @@ __global__ void __launch_bounds__(256) columns_kernel(
   float ad[8], au[8], ag[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) ad[i] = au[i] = ag[i] = 0.f;
+  // kColumnBatch entries per step: their 2 x kColumnBatch row loads are issued before any is used.
   int p = lo;
-  for (; p + 1 < hi; p += 2) {
-    const int e0 = ent[p], e1 = ent[p + 1];
-    const int m0 = e0 / slots, m1 = e1 / slots;
-    const uint4 x0 = __ldg(reinterpret_cast<const uint4*>(x + size_t(m0) * D + col));
-    const uint4 y0 = __ldg(reinterpret_cast<const uint4*>(dy + size_t(m0) * D + col));
-    const uint4 x1 = __ldg(reinterpret_cast<const uint4*>(x + size_t(m1) * D + col));
-    const uint4 y1 = __ldg(reinterpret_cast<const uint4*>(dy + size_t(m1) * D + col));
-    const float h0 = __bfloat162float(h[e0]), u0 = __bfloat162float(du[e0]), g0 = __bfloat162float(dg[e0]);
-    const float h1 = __bfloat162float(h[e1]), u1 = __bfloat162float(du[e1]), g1 = __bfloat162float(dg[e1]);
-    float fx[8], fy[8];
-    unpack8(x0, fx);
-    unpack8(y0, fy);
+  for (; p + kColumnBatch <= hi; p += kColumnBatch) {
+    uint4 xv[kColumnBatch], yv[kColumnBatch];
+    int e[kColumnBatch];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      ad[i] = fmaf(h0, fy[i], ad[i]);
-      au[i] = fmaf(u0, fx[i], au[i]);
-      ag[i] = fmaf(g0, fx[i], ag[i]);
+    for (int j = 0; j < kColumnBatch; ++j) {
+      e[j] = ent[p + j];
+      const size_t m = size_t(e[j] / slots) * D + col;
+      xv[j] = __ldg(reinterpret_cast<const uint4*>(x + m));
+      yv[j] = __ldg(reinterpret_cast<const uint4*>(dy + m));
     }
-    unpack8(x1, fx);
-    unpack8(y1, fy);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      ad[i] = fmaf(h1, fy[i], ad[i]);
-      au[i] = fmaf(u1, fx[i], au[i]);
-      ag[i] = fmaf(g1, fx[i], ag[i]);
+    for (int j = 0; j < kColumnBatch; ++j) {
+      const float h0 = __bfloat162float(h[e[j]]), u0 = __bfloat162float(du[e[j]]), g0 = __bfloat162float(dg[e[j]]);
+      float fx[8], fy[8];
+      unpack8(xv[j], fx);
+      unpack8(yv[j], fy);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        ad[i] = fmaf(h0, fy[i], ad[i]);
+        au[i] = fmaf(u0, fx[i], au[i]);
+        ag[i] = fmaf(g0, fx[i], ag[i]);
+      }
     }
   }
-  if (p < hi) {
+  for (; p < hi; ++p) {
     const int e0 = ent[p], m0 = e0 / slots;
     float fx[8], fy[8];
     unpack8(__ldg(reinterpret_cast<const uint4*>(x + size_t(m0) * D + col)), fx);
@@ -524,6 +527,28 @@ __global__ void __launch_bounds__(256) transpose_kernel(const __nv_bfloat16* __r
   }
 }
 
+// Heavy rows on the dense tensor-core path (twell_dense.cu), counts read on the device: the first
+// round's x rows, then each heavy row's L1 from the hidden GEMM's per-tile sums (tiles in order).
+__global__ void heavy_gather_kernel(const uint4* __restrict__ x, const int* __restrict__ count,
+                                    const int* __restrict__ rows, uint4* __restrict__ xh, int cap, int vecs) {
+  const int n = min(*count, cap);
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(n) * vecs;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const size_t r = i / vecs, c = i % vecs;
+    xh[r * vecs + c] = x[size_t(rows[r]) * vecs + c];
+  }
+}
+
+__global__ void heavy_l1_kernel(const int* __restrict__ count, const int* __restrict__ rows,
+                                const float* __restrict__ part, int tiles, float* __restrict__ row_l1) {
+  const int n = *count;
+  for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n; q += gridDim.x * blockDim.x) {
+    float s = 0.f;
+    for (int t = 0; t < tiles; ++t) s += part[size_t(q) * tiles + t];
+    row_l1[rows[q]] = s;
+  }
+}
+
 int row_blocks(int M) { return (M + kRowsPerBlock - 1) / kRowsPerBlock; }
 
 size_t row_smem(int slots, int arrays) { return size_t(kStages) * kRowThreads * 16 + size_t(arrays) * slots * 4; }
@@ -594,6 +619,22 @@ cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cuda
 cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
                               const int* col_ptr, cudaStream_t stream) {
   return cub::DeviceSegmentedSort::SortKeys(temp, *temp_bytes, in, out, n, H, col_ptr, col_ptr + 1, stream);
+}
+
+cudaError_t launch_train_heavy_gather(const void* x, const int* count, const int* rows, void* xh, int cap, int D,
+                                      cudaStream_t stream) {
+  if (cap <= 0 || D % 8 != 0) return cap <= 0 ? cudaSuccess : cudaErrorInvalidValue;
+  const int vecs = D / 8, blocks = int(std::min<size_t>((size_t(cap) * vecs + 255) / 256, 1024));
+  heavy_gather_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint4*>(x), count, rows, static_cast<uint4*>(xh),
+                                                   cap, vecs);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,
+                                  int M, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  heavy_l1_kernel<<<std::min((M + 255) / 256, 256), 256, 0, stream>>>(count, rows, l1_part, tiles, row_l1);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,

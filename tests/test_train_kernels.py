@@ -79,6 +79,7 @@ def _random(M, D, H, seed=0, bias=0.0, device="cuda"):
     (1000, 512, 1408, -2.5, 128),
     (513, 2048, 5632, -2.5, 128),
     (64, 1032, 96, 0.0, 4),  # half of the gate open: most rows heavy
+    (700, 256, 777, -1.0, 8),  # heavy rows on the dense tensor-core path, over several of its rounds
 ])
 def test_random_shapes(M, D, H, bias, slots):
     check_case(*_random(M, D, H, seed=M + D, bias=bias), slots=slots)
@@ -106,6 +107,29 @@ def test_all_rows_heavy_past_any_capacity():
     x, wg, wu, wd = _random(4096, 256, 512, bias=0.5)
     nnz, _ = check_case(x, wg, wu, wd, slots=8)
     assert bool((nnz > 8).all())
+
+
+def test_no_host_sync_where_d_is_a_multiple_of_64():
+    """Forward and backward queue their work without waiting for the GPU (heavy rows included), and
+    D not a multiple of 64 still reads the heavy-row count back, so the check can fail."""
+    leaves = [t.requires_grad_(True) for t in _random(2048, 512, 1408, bias=-2.0, seed=7)]
+    dy, coef = torch.randn_like(leaves[0]), torch.tensor(0.1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, l1, nnz, _ = ktrain.train_gated_ffn(*leaves, slots=16)
+        grads = torch.autograd.grad((out, l1), leaves, (dy, coef))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int((nnz > 16).sum()) > 0 and all(torch.isfinite(g).all() for g in grads)  # the dense path ran
+    odd = _random(256, 200, 640, bias=-1.0, seed=7)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ktrain.train_gated_ffn(*[t.requires_grad_(True) for t in odd], slots=8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_long_neurons_are_chunked():

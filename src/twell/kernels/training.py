@@ -9,10 +9,11 @@ each) for the backward. Backward: the row kernel gives dx and the per-entry grad
 column kernel writes the three weight gradients from the sorted entries (long neurons split in
 chunks, summed in order); heavy rows recompute their gate and up values and go through dense GEMMs.
 Nothing is ever dropped: every row is light or heavy, whatever the pattern, and both passes are
-deterministic. The forward reads the number of heavy rows and the work list's sizes back to the host
-(one sync, before the light-row kernel: the host queues the rest while that kernel runs); the
-backward needs none. Both passes run as one C++ call each (``csrc/bindings.cpp``), which keeps the host's
-share of a call small.
+deterministic. Neither pass waits for the GPU: heavy rows take the dense tensor-core path, which
+reads their count on the device, and the sizes the backward needs (heavy rows, the work list's
+lengths) reach the host by an asynchronous copy that the backward waits for, long complete by then in
+a model (layers whose D is not a multiple of 64 read the heavy-row count back in the forward). Both
+passes run as one C++ call each (``csrc/bindings.cpp``), which keeps the host's share of a call small.
 
 Two custom ops (``twell::train_ffn_fwd``, ``twell::train_ffn_bwd``) with fake implementations carry
 the work, so ``torch.compile`` traces a layer without a graph break; an autograd Function ties them.
@@ -33,8 +34,8 @@ from twell.reference.training import TRAIN_SLOTS, check_train_args
 COLUMN_CHUNK = 512
 
 
-def _train_fwd_eager(x, w_gate, w_up, w_down, slots):
-    return load().train_forward(x, w_gate, w_up, w_down, slots, COLUMN_CHUNK)
+def _train_fwd_eager(x, w_gate, w_up, w_down, slots, sizes_host=None):
+    return load().train_forward(x, w_gate, w_up, w_down, slots, COLUMN_CHUNK, sizes_host)
 
 
 def _train_bwd_eager(*args):
@@ -44,9 +45,9 @@ def _train_bwd_eager(*args):
 @torch.library.custom_op("twell::train_ffn_fwd", mutates_args=())
 def _train_fwd(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int) -> list[Tensor]:
     """out, l1 per row, nnz, neuron_active, and what the backward reads: idx, val, u, h (the light rows'
-    entries), heavy rows (ascending, padded with -1), the weight-gradient work list (entries, items,
-    long neurons), its sizes as a CPU int64 [4] (heavy rows, items, partials, long neurons: read here
-    with the one host sync, so the backward needs none) and W_down transposed."""
+    entries), heavy rows (int32, ascending, padded with -1), the weight-gradient work list (entries,
+    items, long neurons), its sizes as int64 [4] on the device (heavy rows, items, partials, long
+    neurons: the backward op reads them, one host sync there) and W_down transposed."""
     return _train_fwd_eager(x, w_gate, w_up, w_down, slots)
 
 
@@ -59,9 +60,9 @@ def _(x, w_gate, w_up, w_down, slots):
     e = x.new_empty
     i32 = torch.int32
     return [e((M, D)), e((M,), dtype=torch.float32), e((M,), dtype=i32), e((H,), dtype=torch.bool),
-            e((M, slots), dtype=i32), e((M, slots)), e((M, slots)), e((M, slots)), e((M,), dtype=torch.int64),
+            e((M, slots), dtype=i32), e((M, slots)), e((M, slots)), e((M, slots)), e((M,), dtype=i32),
             e((max(n, 1),), dtype=i32), e((4, max_items), dtype=i32), e((3, max_long), dtype=i32),
-            torch.empty((4,), dtype=torch.int64, device="cpu"), e((H, D))]
+            e((4,), dtype=torch.int64), e((H, D))]
 
 
 @torch.library.custom_op("twell::train_ffn_bwd", mutates_args=())
@@ -84,8 +85,16 @@ class _TrainGatedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, slots):
         # Eager calls skip the custom op's dispatch (~0.1 ms of host time a call); compiled code traces the op.
-        fwd = _train_fwd if torch.compiler.is_compiling() else _train_fwd_eager
-        out, row_l1, nnz, act, *saved = fwd(x, w_gate, w_up, w_down, slots)
+        ctx.sizes_host = ctx.sizes_ready = None
+        if torch.compiler.is_compiling():
+            out, row_l1, nnz, act, *saved = _train_fwd(x, w_gate, w_up, w_down, slots)
+        else:
+            # The backward's sizes come back by an asynchronous copy; the event marks the end of this
+            # forward, which the backward waits for (in a model it has long finished).
+            ctx.sizes_host = torch.empty(4, dtype=torch.int64, pin_memory=True)
+            out, row_l1, nnz, act, *saved = _train_fwd_eager(x, w_gate, w_up, w_down, slots, ctx.sizes_host)
+            ctx.sizes_ready = torch.cuda.Event()
+            ctx.sizes_ready.record(torch.cuda.current_stream(x.device))
         l1 = row_l1.sum() / max(1, x.shape[0])
         ctx.save_for_backward(x, w_gate, w_up, w_down, nnz, *saved)
         ctx.slots = slots
@@ -98,7 +107,12 @@ class _TrainGatedFFN(torch.autograd.Function):
         l1_grad = None if d_l1 is None else (d_l1.float() / max(1, x.shape[0])).reshape(1)
         if d_out is None:
             d_out = torch.zeros_like(x)
-        bwd = _train_bwd if torch.compiler.is_compiling() else _train_bwd_eager
+        if torch.compiler.is_compiling() or ctx.sizes_host is None:
+            bwd = _train_bwd
+        else:
+            bwd = _train_bwd_eager
+            ctx.sizes_ready.synchronize()
+            sizes = ctx.sizes_host
         dx, d_gate, d_up, d_down = bwd(d_out.contiguous(), l1_grad, x, w_gate, w_up, w_down, w_down_t, idx,
                                          val, u, h, nnz, heavy, ent, items, longs, sizes, ctx.slots)
         return dx, d_gate, d_up, d_down, None
