@@ -5,7 +5,7 @@
 #                the recipe otherwise; a wall-clock deadline DEADLINE_S after the start stops it earlier).
 #                TESTS_GPU=N runs the tests and the FFN benchmark on GPU N (a physical index, another GPU
 #                than the training's) beside the training (they share the build; the training waits for
-#                it), on a machine with more than one GPU.
+#                it), on a machine with more than one GPU; CHECKS=0 skips the tests and the FFN benchmark.
 #   PHASE=bench  `python -m twell.bench model` on that checkpoint, its dense side the same weights on the
 #                dense path: prefill, eager and CUDA-graph greedy decoding at batch 1 and 32 (the graph rows
 #                with the step eager, and compiled by inductor unless COMPILED=0), the greedy token checks
@@ -24,7 +24,9 @@ case "${PHASE:?set PHASE=train or PHASE=bench}" in
 train)
     checks=(env OUT="$OUT" SKIP_PROBE="${SKIP_PROBE:-1}" TESTS="tests/test_decode_kernels.py"
             BENCH_ARGS="--M 1 4 16 32 --no-energy" bash scripts/gpu_decode.sh)
-    if [ -n "${TESTS_GPU:-}" ]; then
+    if [ "${CHECKS:-1}" = 0 ]; then
+        python3 -m twell.kernels.build --build > "$OUT/build_first.log" 2>&1
+    elif [ -n "${TESTS_GPU:-}" ]; then
         python3 -m twell.kernels.build --build > "$OUT/build_first.log" 2>&1
         CUDA_VISIBLE_DEVICES=$TESTS_GPU "${checks[@]}" > "$OUT/checks.log" 2>&1 &
         checks_pid=$!
@@ -38,7 +40,9 @@ train)
         --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
         > "$OUT/train.log" 2>&1
     echo "train rc=$?"
-    if [ -n "${TESTS_GPU:-}" ]; then wait "$checks_pid"; echo "checks rc=$?"; cat "$OUT/checks.log"; fi
+    if [ "${CHECKS:-1}" != 0 ] && [ -n "${TESTS_GPU:-}" ]; then
+        wait "$checks_pid"; echo "checks rc=$?"; cat "$OUT/checks.log"
+    fi
     cp "$RUN/summary.json" "$OUT/summary_$SCALE.json" 2>/dev/null
     json_get "$RUN/summary.json" steps_done | sed 's/^/steps done: /'
     json_get "$RUN/summary.json" final.active_frac_mean | sed 's/^/active fraction: /'

@@ -136,11 +136,13 @@ def test_paper_scale_of_row_labels():
 
 def test_compiled_graph_decode_rows(pair):
     """decode-compiled-graph rows: each step compiled before it is replayed (the eager backend here: the same
-    tracing as inductor's, no code generation), both sides' tokens compared."""
-    cfg = {**SMALL, "train_batch": 0, "decode_batches": (2,), "decode_graph": False, "decode_compile": "eager"}
+    tracing as inductor's, no code generation), both sides' tokens compared; training rows after them copy
+    the model without its compiled steps."""
+    cfg = {**SMALL, "train_batch": 1, "decode_batches": (2,), "decode_graph": False, "decode_compile": "eager"}
     res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], **cfg), progress=False)  # one model, both paths
-    assert [r["measure"] for r in res["rows"]] == ["prefill", "decode", "decode-compiled-graph"], res["decode_errors"]
-    row = res["rows"][-1]
+    assert [r["measure"] for r in res["rows"]] == ["prefill", "decode", "decode-compiled-graph", "training"], \
+        res["decode_errors"]
+    row = res["rows"][-2]
     assert row["compile_backend"] == "eager" and row["sparse"]["tokens_per_s"] > 0
     assert row["sparse"]["first_tokens_match_eager"] and row["dense"]["first_tokens_match_eager"]
     # one model on both paths; on CPU "auto" runs the TwELL reference, which gives the dense path's tokens
@@ -176,7 +178,7 @@ def test_static_greedy_cache_len():
 def test_ffn_at_paper_sparsity_reads_the_committed_benchmarks():
     """Notebook 04's FFN-level table: the nnz29 rows of the three kernel benchmarks, as they recorded them."""
     files = {"inference": "reports/bench/ffn-NVIDIA-H100-80GB-HBM3-20261127T111641Z-s39-H100.json",
-             "training": "reports/bench/ffn-NVIDIA-H200-20261128T171703Z-train.json",
+             "training": "reports/bench/ffn-NVIDIA-H200-20261128T235225Z.json",
              "decode": "reports/bench/decode-NVIDIA-H200-20261128T193313Z.json"}
     t = efficiency.ffn_at_paper_sparsity(files)
     assert t["measure"].tolist() == ["inference"] * 3 + ["training"] + ["decode"] * 4

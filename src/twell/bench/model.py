@@ -162,10 +162,13 @@ def _generate_static(model, prompt: torch.Tensor, new: int, pad: int) -> torch.T
                           cache_implementation="static")
 
 
+_COMPILED_STEPS = "_twell_compiled_steps"
+
+
 def _compiled(model, backend: str):
     """``torch.compile(model, backend=backend)``, one per model and backend, kept in the model's own
     ``__dict__`` (not a submodule; freed with the model)."""
-    per = model.__dict__.setdefault("_twell_compiled_steps", {})
+    per = model.__dict__.setdefault(_COMPILED_STEPS, {})
     if backend not in per:
         per[backend] = torch.compile(model, backend=backend, dynamic=False)
     return per[backend]
@@ -380,7 +383,13 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     from twell.nn.sparse_training import SparseTraining, use_sparse_training
     from twell.train.recipe import sparse_lm_loss
 
-    m = copy.deepcopy(model).train()
+    # The compiled decoding steps cached on the model (decode-compiled-graph rows) cannot be copied.
+    compiled = model.__dict__.pop(_COMPILED_STEPS, None)
+    try:
+        m = copy.deepcopy(model).train()
+    finally:
+        if compiled is not None:
+            model.__dict__[_COMPILED_STEPS] = compiled
     for p in m.parameters():
         p.requires_grad_(True)
     set_tracking(m, True)

@@ -412,7 +412,7 @@ class SparseFFN(nn.Module):
                     pre, h = self.hidden(x)
                     self._set_activity(float((~(pre <= 0)).sum(-1, dtype=torch.float32).mean()) /
                                        self.intermediate_size)
-                    self.auto_note = note
+                    self.auto_note = f"{note}; {self._activity_note}" if self._activity_note else note
                     self.last_path = "dense"
                     return self.down_proj(h)
                 self.auto_note = note
