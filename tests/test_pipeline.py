@@ -261,6 +261,21 @@ def test_override_reaches_notebook(tmp_path):
     assert results[0].parameters["n"] == 7
 
 
+def test_inline_figures_are_stored_at_the_pipeline_dpi(tmp_path):
+    """Executed notebooks keep their inline figures at INLINE_FIGURE_DPI (the saved files keep their own)."""
+    import base64
+    import struct
+
+    _write_notebook(tmp_path, "00_twell_format", [
+        "import matplotlib.pyplot as plt\nfig, ax = plt.subplots(figsize=(4, 2))\nax.plot([0, 1])\nplt.show()"])
+    results = pl.run_pipeline(only="00", progress=False, **_dirs(tmp_path))
+    nb = nbformat.read(results[0].output, as_version=4)
+    png = next(base64.b64decode(o["data"]["image/png"]) for c in nb.cells if c.cell_type == "code"
+               for o in c.get("outputs", []) if "image/png" in o.get("data", {}))
+    width = struct.unpack(">I", png[16:20])[0]  # the IHDR chunk's width
+    assert 0.8 * 4 * pl.INLINE_FIGURE_DPI < width <= 4 * pl.INLINE_FIGURE_DPI + 20, width
+
+
 @pytest.mark.slow
 def test_notebook_00_cpu_smoke_writes_reports(tmp_path):
     start = time.time() - 1
