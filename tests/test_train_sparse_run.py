@@ -51,6 +51,26 @@ def test_sparse_kernels_train_like_dense(tmp_path, data):
     assert tail(sparse, 1) < 0.2 and tail(dense, 1) < 0.2
 
 
+def test_dead_neuron_reinit_with_the_kernels(tmp_path, data):
+    """Dead-neuron re-initialisation writes gate rows and their optimizer moments between steps: with the
+    kernels (which keep no state of the weights) the run re-initialises at the same steps as on the dense
+    path, re-initialises some neurons, and trains as well."""
+    res = {}
+    for mode in ("always", "never"):
+        cfg = _cfg(data, mode)
+        cfg["sparsity"].update(reinit_dead=True, reinit_every=50)
+        out = tmp_path / f"reinit-{mode}"
+        run(cfg, out=out)
+        m = read_metrics(out / "metrics.jsonl")
+        res[mode] = ([(e["step"], e["neurons"]) for e in m["event"] if e["event"] == "reinit"],
+                     sum(r["ce"] for r in m["train"][-50:]) / 50)
+    (ev_s, ce_s), (ev_d, ce_d) = res["always"], res["never"]
+    print("reinit events, kernels:", ev_s, "dense:", ev_d)
+    assert [s for s, _ in ev_s] == [s for s, _ in ev_d] and ev_s
+    assert sum(n for _, n in ev_s) > 0
+    assert abs(ce_s - ce_d) <= 0.02 * ce_d
+
+
 def test_compiled_layers_have_no_graph_break(tmp_path, data):
     """torch.compile of each decoder layer on the kernels: no graph break. (With activation
     checkpointing too, dense and sparse alike break once per layer on the statistics the FFN records
