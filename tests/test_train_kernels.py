@@ -110,8 +110,9 @@ def test_all_rows_heavy_past_any_capacity():
 
 
 def test_no_host_sync_where_d_is_a_multiple_of_64():
-    """Forward and backward queue their work without waiting for the GPU (heavy rows included), and
-    D not a multiple of 64 still reads the heavy-row count back, so the check can fail."""
+    """The forward queues its work without waiting for the GPU (heavy rows included), and so does the
+    backward but for its wait on the forward's end event (which the debug mode does not flag); D not a
+    multiple of 64 still reads the heavy-row count back, so the check can fail."""
     leaves = [t.requires_grad_(True) for t in _random(2048, 512, 1408, bias=-2.0, seed=7)]
     dy, coef = torch.randn_like(leaves[0]), torch.tensor(0.1, device="cuda")
     torch.cuda.synchronize()
@@ -130,6 +131,13 @@ def test_no_host_sync_where_d_is_a_multiple_of_64():
             ktrain.train_gated_ffn(*[t.requires_grad_(True) for t in odd], slots=8)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_double_backward_raises():
+    leaves = [t.requires_grad_(True) for t in _random(64, 128, 256, bias=-1.0)]
+    out, l1, _, _ = ktrain.train_gated_ffn(*leaves)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.float().square().sum() + l1, leaves, create_graph=True)
 
 
 def test_long_neurons_are_chunked():

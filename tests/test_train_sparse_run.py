@@ -52,9 +52,10 @@ def test_sparse_kernels_train_like_dense(tmp_path, data):
 
 
 def test_dead_neuron_reinit_with_the_kernels(tmp_path, data):
-    """Dead-neuron re-initialisation writes gate rows and their optimizer moments between steps: with the
-    kernels (which keep no state of the weights) the run re-initialises at the same steps as on the dense
-    path, re-initialises some neurons, and trains as well."""
+    """Dead-neuron re-initialisation writes gate rows and their optimizer moments between steps. With the
+    kernels (which keep no state of the weights) the next step sees the new rows: the revived neurons
+    (random gate rows, open for about half the tokens) raise the active neurons per token by a share of
+    their number; and the run trains as well as the same run on the dense path."""
     res = {}
     for mode in ("always", "never"):
         cfg = _cfg(data, mode)
@@ -62,13 +63,16 @@ def test_dead_neuron_reinit_with_the_kernels(tmp_path, data):
         out = tmp_path / f"reinit-{mode}"
         run(cfg, out=out)
         m = read_metrics(out / "metrics.jsonl")
-        res[mode] = ([(e["step"], e["neurons"]) for e in m["event"] if e["event"] == "reinit"],
+        active = {r["step"]: sum(r["active_mean"]) for r in m["train"]}
+        revived = [(e["step"], e["neurons"]) for e in m["event"] if e["event"] == "reinit"]
+        rise = sum(active[s + 1] - active[s] for s, n in revived if n > 0 and s + 1 in active)
+        res[mode] = (sum(n for s, n in revived if s + 1 in active), rise,
                      sum(r["ce"] for r in m["train"][-50:]) / 50)
-    (ev_s, ce_s), (ev_d, ce_d) = res["always"], res["never"]
-    print("reinit events, kernels:", ev_s, "dense:", ev_d)
-    assert [s for s, _ in ev_s] == [s for s, _ in ev_d] and ev_s
-    assert sum(n for _, n in ev_s) > 0
-    assert abs(ce_s - ce_d) <= 0.02 * ce_d
+    print("revived neurons, rise of active per token, tail CE:", res)
+    for mode, (n, rise, _) in res.items():
+        assert n >= 10, (mode, n)  # neurons died and were re-initialised
+        assert rise >= 0.2 * n, (mode, n, rise)
+    assert abs(res["always"][2] - res["never"][2]) <= 0.02 * res["never"][2]
 
 
 def test_compiled_layers_have_no_graph_break(tmp_path, data):

@@ -9,10 +9,11 @@ each) for the backward. Backward: the row kernel gives dx and the per-entry grad
 column kernel writes the three weight gradients from the sorted entries (long neurons split in
 chunks, summed in order); heavy rows recompute their gate and up values and go through dense GEMMs.
 Nothing is ever dropped: every row is light or heavy, whatever the pattern, and both passes are
-deterministic. Neither pass waits for the GPU: heavy rows take the dense tensor-core path, which
-reads their count on the device, and the sizes the backward needs (heavy rows, the work list's
-lengths) reach the host by an asynchronous copy that the backward waits for, long complete by then in
-a model (layers whose D is not a multiple of 64 read the heavy-row count back in the forward). Both
+deterministic. The forward does not wait for the GPU: heavy rows take the dense tensor-core path,
+which reads their count on the device, and the sizes the backward needs (heavy rows, the work list's
+lengths) reach the host by an asynchronous copy; the backward waits on an event at the end of the
+forward, which in a model has usually passed (layers whose D is not a multiple of 64 read the
+heavy-row count back in the forward). Both
 passes run as one C++ call each (``csrc/bindings.cpp``), which keeps the host's share of a call small.
 
 Two custom ops (``twell::train_ffn_fwd``, ``twell::train_ffn_bwd``) with fake implementations carry
@@ -103,6 +104,9 @@ class _TrainGatedFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_l1, _nnz, _act):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError("train_gated_ffn has no double backward (create_graph=True): its backward is "
+                               "not differentiable")
         x, w_gate, w_up, w_down, nnz, idx, val, u, h, heavy, ent, items, longs, sizes, w_down_t = ctx.saved_tensors
         l1_grad = None if d_l1 is None else (d_l1.float() / max(1, x.shape[0])).reshape(1)
         if d_out is None:
