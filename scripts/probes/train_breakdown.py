@@ -1,8 +1,11 @@
 """Per-stage times of the sparse training FFN (CUDA events, medians of 20) at M 16384, D 2048, H 5632:
 gate GEMM, compaction, light-row forward, light-row backward, work list, weight-gradient kernel, and
-dense fwd+bwd for scale. Usage: python scripts/probes/train_breakdown.py [nnz tail ...]"""
+dense fwd+bwd for scale; then the host time of one forward and one backward call (queued behind a long
+GPU sleep, so the host never waits for the GPU), and for the first case the profiler's tables by GPU
+time and by host time. Usage: python scripts/probes/train_breakdown.py [nnz tail ...]"""
 import json
 import sys
+import time
 
 import torch
 
@@ -23,6 +26,18 @@ def med(fn, reps=20):
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
     return sorted(ts)[len(ts) // 2]
+
+
+def host_ms(queue, reps=20):
+    """Host milliseconds per call of queue() while the GPU is busy with a long sleep (nothing waits)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time at ~2 GHz: longer than the calls take to queue
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        queue()
+    dt = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return dt
 
 
 def main():
@@ -65,6 +80,15 @@ def main():
 
         r["sparse_total"] = med(sparse)
         r["dense_total"] = med(dense)
+        # Host time: forwards alone (no wait in them), then backwards of finished forwards.
+        r["host_fwd"] = host_ms(lambda: kt.train_gated_ffn(*leaves))
+        pending = []
+        for _ in range(20):
+            o, l, _, _ = kt.train_gated_ffn(*leaves)
+            pending.append((o, l))
+        torch.cuda.synchronize()
+        coef = torch.tensor(2e-5, device="cuda")
+        r["host_bwd"] = host_ms(lambda: torch.autograd.grad(pending.pop(), leaves, (dy, coef)))
         rows.append(r)
         if nnz == args[0]:  # where the time of one sparse call goes: kernels by GPU time, and the wall
             from torch.profiler import ProfilerActivity, profile
@@ -75,6 +99,7 @@ def main():
                     sparse()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         print(json.dumps(r), flush=True)
     keys = [k for k in rows[0] if k not in ("tail",)]
     print("| " + " | ".join(keys) + " |")
