@@ -570,12 +570,11 @@ std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_g
     check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()), "SM count");
     const int* cnt = n_heavy_dev.data_ptr<int>();
     const int* rows = heavy.data_ptr<int>();
-    check_launch(twell::launch_train_heavy_gather(x.data_ptr(), cnt, rows, xh.data_ptr(), int(cap), int(D), stream),
-                 "train_forward (heavy rows' x)");
     check_launch(twell::launch_dense_rows(x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), w_down_t.data_ptr(),
                                           out.data_ptr(), reinterpret_cast<const uint32_t*>(cnt),
                                           reinterpret_cast<const uint32_t*>(rows), xh.data_ptr(), hidden.data_ptr(),
-                                          int(cap), int(D), int(H), sms, stream, 1, part.data_ptr<float>()),
+                                          int(cap), int(D), int(H), sms, stream, 1, part.data_ptr<float>(),
+                                          /*copy_first=*/true),
                  "train_forward (heavy rows)");
     check_launch(twell::launch_train_heavy_l1(cnt, rows, part.data_ptr<float>(), int(tiles), row_l1.data_ptr<float>(),
                                               int(M), stream),
@@ -674,8 +673,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down"),
         pybind11::arg("slots"), pybind11::arg("chunk"), pybind11::arg("sizes_host") = pybind11::none());
   m.def("train_backward", &train_backward, "the sparse training FFN's backward (no host sync given sizes on the CPU)");
-  m.def("train_dense_cap", &train_dense_cap, "rows of one round of the training forward's dense path",
-        pybind11::arg("M"));
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");
   m.def("train_columns", &train_columns, "weight gradients from the column-sorted entries");

@@ -220,6 +220,19 @@ __global__ void __launch_bounds__(384, 1)
   gemm_tiles<MODE>(&map_a, &map_b0, &map_b1, a, n, a.rows, 0, smem, full, empty, stage, phase);
 }
 
+// x rows of queue entries base .. base + n into xh, spread over the grid (16-byte vectors).
+__device__ __forceinline__ void copy_queue_rows(const Args& a, int base, int n) {
+  const int vecs = a.D / 8;
+  const size_t threads = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(n) * vecs; i += threads) {
+    const size_t r = i / vecs, c = i % vecs;
+    reinterpret_cast<uint4*>(a.xh + r * a.D)[c] = reinterpret_cast<const uint4*>(a.x + size_t(a.rows[base + r]) * a.D)[c];
+  }
+}
+
+// The first round's x rows, for a caller without a light kernel to copy them (the training forward).
+__global__ void first_round_copy_kernel(const Args a) { copy_queue_rows(a, 0, min(queued_rows(a), a.cap)); }
+
 // Global writes of this thread (generic proxy) ordered before later TMA reads (async proxy) that a
 // grid barrier releases.
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
@@ -242,17 +255,11 @@ __global__ void __launch_bounds__(384, 1)
   cooperative_groups::grid_group grid = cooperative_groups::this_grid();
   int stage = 0;
   uint32_t phase = threadIdx.x < 128 ? 1u : 0u;
-  const int vecs = a.D / 8;  // 16-byte vectors per row
-  const size_t threads = size_t(gridDim.x) * blockDim.x;
   for (int base = a.cap; base < queued; base += a.cap) {
     const int n = min(a.cap, queued - base);
     // The previous step (the first round's down kernel, or the last grid barrier) has finished
     // every read of xh and hidden.
-    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(n) * vecs; i += threads) {
-      const size_t r = i / vecs, c = i % vecs;
-      reinterpret_cast<uint4*>(a.xh + r * a.D)[c] =
-          reinterpret_cast<const uint4*>(a.x + size_t(a.rows[base + r]) * a.D)[c];
-    }
+    copy_queue_rows(a, base, n);
     fence_async_global();
     grid.sync();
     gemm_tiles<GATED ? HIDDEN_GATED : HIDDEN_ACT>(&map_xh, &map_act, GATED ? &map_up : &map_act, a, n, nullptr,
@@ -306,7 +313,7 @@ size_t dense_workspace_words(int cap, int D, int H) {
 
 cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
-                              int ctas, cudaStream_t stream, int min_rows, float* l1_part) {
+                              int ctas, cudaStream_t stream, int min_rows, float* l1_part, bool copy_first) {
   if (cap <= 0) return cudaSuccess;
   if (cap % dense::BM != 0 || D % dense::BK != 0 || w_act == nullptr || x == nullptr || ctas <= 0 ||
       (l1_part != nullptr && w_up == nullptr))
@@ -321,8 +328,14 @@ cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up
       (gated && !make_map(&m_up, w_up, H, D, dense::BN / 2)) || !make_map(&m_hidden, hidden, cap, HP, dense::BM) ||
       !make_map(&m_down, w_down_t, H, D, 64))
     return cudaErrorInvalidValue;
-  cudaError_t err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, ctas, stream)
-                          : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, ctas, stream);
+  cudaError_t err = cudaSuccess;
+  if (copy_first) {
+    dense::first_round_copy_kernel<<<ctas, 256, 0, stream>>>(a);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess)
+    err = gated ? dense::launch_mode<dense::HIDDEN_GATED>(m_xh, m_act, m_up, a, ctas, stream)
+                : dense::launch_mode<dense::HIDDEN_ACT>(m_xh, m_act, m_act, a, ctas, stream);
   if (err == cudaSuccess) err = dense::launch_mode<dense::DOWN>(m_hidden, m_down, m_down, a, ctas, stream);
   if (err != cudaSuccess) return err;
   return gated ? dense::launch_rounds<true>(m_xh, m_act, m_up, m_hidden, m_down, a, ctas, stream)

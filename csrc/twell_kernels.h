@@ -56,8 +56,8 @@ cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const voi
 // Dense path for heavy rows (twell_dense.cu): when dense_takes_queue(*count, cap), for every entry h,
 // out[rows[h]] = (relu(x[rows[h]] @ w_act^T) [* (x[rows[h]] @ w_up^T) if w_up]) @ w_down_t, in rounds
 // of cap rows, with the round's x rows in xh [cap, D] and its hidden state in hidden
-// [cap, dense_hidden_width(H)] (bf16). The light kernel copies the first round's x rows into xh; the
-// path copies the others. cap % 128 == 0, D % 64 == 0.
+// [cap, dense_hidden_width(H)] (bf16). The light kernel copies the first round's x rows into xh (or the
+// path, with copy_first); the path copies the others. cap % 128 == 0, D % 64 == 0.
 // The path runs only when at least this many rows are queued. Its two kernels take ~0.08 ms even
 // for one row block (measured: the down kernel's K loop over H is the critical path), while the
 // per-row heavy kernel gathers ~1.2 ns of weights per entry over the GPU: 384 rows of ~180 entries
@@ -74,11 +74,12 @@ int dense_l1_tiles(int H);
 // ctas: persistent CTAs per kernel (the SMs to use). min_rows: the path runs when at least this many
 // rows are queued (the inference FFN: kDenseMinRows; training: 1, it has no per-row heavy kernel).
 // l1_part (gated only, may be null): fp32 [queue length, dense_l1_tiles(H)], entry [q][t] = sum of
-// |hidden| of queue entry q over column tile t (each summed in a fixed order).
+// |hidden| of queue entry q over column tile t (each summed in a fixed order). copy_first: the path
+// copies the first round's x rows into xh too (a caller without a light kernel that does).
 cudaError_t launch_dense_rows(const void* x, const void* w_act, const void* w_up, const void* w_down_t, void* out,
                               const uint32_t* count, const uint32_t* rows, void* xh, void* hidden, int cap, int D, int H,
                               int ctas, cudaStream_t stream, int min_rows = kDenseMinRows,
-                              float* l1_part = nullptr);
+                              float* l1_part = nullptr, bool copy_first = false);
 
 // Block-union path (twell_union.cu). Device scratch, carved from the caller's workspace.
 struct Workspace {
@@ -157,10 +158,8 @@ cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, i
 cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream);
 cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
                               const int* col_ptr, cudaStream_t stream);
-// Heavy rows of the training forward on the dense path: xh[r] = x[rows[r]] for r < min(*count, cap)
-// (its first round), and row_l1[rows[q]] = sum over t of l1_part[q][t] for q < *count.
-cudaError_t launch_train_heavy_gather(const void* x, const int* count, const int* rows, void* xh, int cap, int D,
-                                      cudaStream_t stream);
+// Heavy rows of the training forward on the dense path: row_l1[rows[q]] = sum over t of l1_part[q][t]
+// for q < *count.
 cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,
                                   int M, cudaStream_t stream);
 cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,

@@ -527,18 +527,8 @@ __global__ void __launch_bounds__(256) transpose_kernel(const __nv_bfloat16* __r
   }
 }
 
-// Heavy rows on the dense tensor-core path (twell_dense.cu), counts read on the device: the first
-// round's x rows, then each heavy row's L1 from the hidden GEMM's per-tile sums (tiles in order).
-__global__ void heavy_gather_kernel(const uint4* __restrict__ x, const int* __restrict__ count,
-                                    const int* __restrict__ rows, uint4* __restrict__ xh, int cap, int vecs) {
-  const int n = min(*count, cap);
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size_t(n) * vecs;
-       i += size_t(gridDim.x) * blockDim.x) {
-    const size_t r = i / vecs, c = i % vecs;
-    xh[r * vecs + c] = x[size_t(rows[r]) * vecs + c];
-  }
-}
-
+// A heavy row's L1 on the dense tensor-core path (twell_dense.cu), its count read on the device: the
+// hidden GEMM's per-tile sums, tiles in order.
 __global__ void heavy_l1_kernel(const int* __restrict__ count, const int* __restrict__ rows,
                                 const float* __restrict__ part, int tiles, float* __restrict__ row_l1) {
   const int n = *count;
@@ -619,15 +609,6 @@ cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cuda
 cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
                               const int* col_ptr, cudaStream_t stream) {
   return cub::DeviceSegmentedSort::SortKeys(temp, *temp_bytes, in, out, n, H, col_ptr, col_ptr + 1, stream);
-}
-
-cudaError_t launch_train_heavy_gather(const void* x, const int* count, const int* rows, void* xh, int cap, int D,
-                                      cudaStream_t stream) {
-  if (cap <= 0 || D % 8 != 0) return cap <= 0 ? cudaSuccess : cudaErrorInvalidValue;
-  const int vecs = D / 8, blocks = int(std::min<size_t>((size_t(cap) * vecs + 255) / 256, 1024));
-  heavy_gather_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint4*>(x), count, rows, static_cast<uint4*>(xh),
-                                                   cap, vecs);
-  return cudaGetLastError();
 }
 
 cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,
