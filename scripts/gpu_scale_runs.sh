@@ -46,6 +46,9 @@
 #   EVAL_TASKS="piqa commonsense_qa"   EVAL_LIMIT= (documents per task; empty: all)   EVAL_SPARSE_PATH=auto
 #   EVAL_BATCH=auto        lm-eval batch size
 #   STEP_LIMIT_S=420       time limit of each bench step (it is stopped after that; what it wrote stays)
+#   EVAL=1                 0: no downstream evaluation (no eval steps, no comparison)
+#   SERIAL=0               1: the model benchmark runs first, alone on the machine, then the other steps (one GPU:
+#                          BENCH_GPU=0 ACTIVITY_GPU=0 EVAL_GPUS="0 0"; nothing else disturbs its timing)
 # Both phases, optional: SIDE_CMD="..." SIDE_GPU=3   one more command (bash -c) on that GPU: in the train phase
 #   beside the runs, in the bench phase from the start (after the activity step when on that step's GPU, the
 #   default); it inherits this script's environment (SCALE, STEPS, BENCH_ARGS, ...: set what it reads in
@@ -225,16 +228,19 @@ bench_phase() {
     start bench "${BENCH_GPU:-0}" "$limit" bash -c 'source scripts/run_lib.sh && bench_model_pair "$@"' _ \
         "$SPARSE_RUN" "$DENSE_RUN" \
         "$SCALE ($steps steps)" "$STAGE/bench" "$DEVICE" --seq "$seq" ${BENCH_ARGS:-}
+    if [ "${SERIAL:-0}" = 1 ]; then finish bench; unset 'PIDS[bench]'; fi
     start activity "${ACTIVITY_GPU:-1}" "$limit" python3 -m twell.bench activity "$SPARSE_RUN/final" \
         --dense-checkpoint "$DENSE_RUN/final" ${prepared:+--tokens "$prepared"} --seq "$seq" --label "$SCALE" \
         --device "$DEVICE" --out "$STAGE/activity_$SCALE.json" ${ACTIVITY_ARGS:-}
     local tasks=(${EVAL_TASKS:-piqa commonsense_qa})
-    start eval_sparse "${eval_gpus[0]}" "$limit" python3 -m twell.eval run "$SPARSE_RUN/final" --name sparse \
-        --ffn-path "${EVAL_SPARSE_PATH:-auto}" --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \
-        --batch-size "${EVAL_BATCH:-auto}" --out "$STAGE/eval/sparse.json"
-    start eval_dense "${eval_gpus[1]}" "$limit" python3 -m twell.eval run "$DENSE_RUN/final" --name dense \
-        --ffn-path dense --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \
-        --batch-size "${EVAL_BATCH:-auto}" --out "$STAGE/eval/dense.json"
+    if [ "${EVAL:-1}" = 1 ]; then
+        start eval_sparse "${eval_gpus[0]}" "$limit" python3 -m twell.eval run "$SPARSE_RUN/final" --name sparse \
+            --ffn-path "${EVAL_SPARSE_PATH:-auto}" --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \
+            --batch-size "${EVAL_BATCH:-auto}" --out "$STAGE/eval/sparse.json"
+        start eval_dense "${eval_gpus[1]}" "$limit" python3 -m twell.eval run "$DENSE_RUN/final" --name dense \
+            --ffn-path dense --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \
+            --batch-size "${EVAL_BATCH:-auto}" --out "$STAGE/eval/dense.json"
+    fi
     local side_gpu=${SIDE_GPU:-${ACTIVITY_GPU:-1}}
     start_side() {
         mkdir -p "$STAGE/bench/side"
@@ -250,7 +256,7 @@ bench_phase() {
         start eval_compare "" 60 python3 -m twell.eval compare "$STAGE/eval/dense.json" "$STAGE/eval/sparse.json" \
             --out "$STAGE/eval" --stem "downstream_eval_$SCALE"
         finish eval_compare
-    else
+    elif [ "${EVAL:-1}" = 1 ]; then
         echo "!!! no comparison: an evaluation wrote no result"; FAILED=1
     fi
 
