@@ -471,27 +471,44 @@ std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& 
   auto stream = c10::cuda::getCurrentCUDAStream();
   auto iopt = idx.options();
   at::Tensor col_ptr = at::zeros({H + 1}, iopt);
-  check_launch(twell::launch_train_entries(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots),
-                                           col_ptr.data_ptr<int>() + 1, nullptr, nullptr, false, stream),
-               "train_worklist (count)");
-  {
+  const int64_t n = M * slots;
+  at::Tensor ent = at::empty({std::max<int64_t>(n, 1)}, iopt);
+  auto prefix = [&] {  // col_ptr[1..H] holds the counts: make it their inclusive prefix sum
     at::Tensor tail = col_ptr.narrow(0, 1, H);
     at::cumsum_out(tail, tail.clone(), 0);
+  };
+  if (const int band = twell::train_band_rows(int(H), int(slots)); band > 0) {
+    // rows in bands, each band's entries placed in row order: no sort (the default)
+    at::Tensor band_cnt = at::empty({std::max<int64_t>((M + band - 1) / band, 1), H}, iopt);
+    check_launch(twell::launch_train_bands(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots), band,
+                                           band_cnt.data_ptr<int>(), nullptr, col_ptr.data_ptr<int>() + 1, nullptr,
+                                           false, stream),
+                 "train_worklist (band counts)");
+    prefix();
+    check_launch(twell::launch_train_bands(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots), band,
+                                           band_cnt.data_ptr<int>(), col_ptr.data_ptr<int>(), nullptr,
+                                           ent.data_ptr<int>(), true, stream),
+                 "train_worklist (band placement)");
+  } else {
+    // very wide layers: count, fill in any order, then sort each neuron's entries
+    check_launch(twell::launch_train_entries(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots),
+                                             col_ptr.data_ptr<int>() + 1, nullptr, nullptr, false, stream),
+                 "train_worklist (count)");
+    prefix();
+    at::Tensor cursor = col_ptr.narrow(0, 0, H).clone();
+    at::Tensor raw = at::empty({std::max<int64_t>(n, 1)}, iopt);
+    check_launch(twell::launch_train_entries(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots),
+                                             nullptr, cursor.data_ptr<int>(), raw.data_ptr<int>(), true, stream),
+                 "train_worklist (fill)");
+    size_t temp_bytes = 0;
+    check_launch(twell::launch_train_sort(nullptr, &temp_bytes, raw.data_ptr<int>(), ent.data_ptr<int>(), int(n),
+                                          int(H), int(slots), col_ptr.data_ptr<int>(), stream),
+                 "train_worklist (sort size)");
+    at::Tensor temp = at::empty({int64_t(temp_bytes) + 1}, iopt.dtype(at::kByte));
+    check_launch(twell::launch_train_sort(temp.data_ptr(), &temp_bytes, raw.data_ptr<int>(), ent.data_ptr<int>(),
+                                          int(n), int(H), int(slots), col_ptr.data_ptr<int>(), stream),
+                 "train_worklist (sort)");
   }
-  at::Tensor cursor = col_ptr.narrow(0, 0, H).clone();
-  const int64_t n = M * slots;
-  at::Tensor raw = at::empty({std::max<int64_t>(n, 1)}, iopt), ent = at::empty({std::max<int64_t>(n, 1)}, iopt);
-  check_launch(twell::launch_train_entries(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots),
-                                           nullptr, cursor.data_ptr<int>(), raw.data_ptr<int>(), true, stream),
-               "train_worklist (fill)");
-  size_t temp_bytes = 0;
-  check_launch(twell::launch_train_sort(nullptr, &temp_bytes, raw.data_ptr<int>(), ent.data_ptr<int>(), int(n),
-                                        int(H), col_ptr.data_ptr<int>(), stream),
-               "train_worklist (sort size)");
-  at::Tensor temp = at::empty({int64_t(temp_bytes) + 1}, iopt.dtype(at::kByte));
-  check_launch(twell::launch_train_sort(temp.data_ptr(), &temp_bytes, raw.data_ptr<int>(), ent.data_ptr<int>(),
-                                        int(n), int(H), col_ptr.data_ptr<int>(), stream),
-               "train_worklist (sort)");
   at::Tensor sizes = at::empty({3, H}, iopt);
   check_launch(twell::launch_train_plan(col_ptr.data_ptr<int>(), int(H), int(chunk), sizes.data_ptr<int>(), nullptr,
                                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, false, stream),
@@ -591,23 +608,42 @@ std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_g
   return {out, row_l1, nnz, c[3].to(at::kBool), idx, val, f[1], f[2], heavy, wl[0], wl[1], wl[2], sizes, w_down_t};
 }
 
-// Its backward: dx, d_w_gate, d_w_up, d_w_down (no host sync: sizes is on the CPU).
+// Its backward: dx, d_w_gate, d_w_up, d_w_down. The light rows' kernel needs none of sizes, so it is
+// queued before the host reads them and the GPU works while the host waits. rows_done: that kernel's
+// results (dx, du, dg) when the caller queued it itself before waiting for sizes (eager calls: sizes is
+// the forward's asynchronous copy to pinned memory, ready at an event the caller waits for). sizes on
+// the device (a compiled graph) come back by an asynchronous copy after that kernel is queued: the one
+// host sync of this path, which does not leave the GPU idle.
 std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optional<at::Tensor>& l1_grad,
                                        const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                                        const at::Tensor& w_down, const at::Tensor& w_down_t, const at::Tensor& idx,
                                        const at::Tensor& val, const at::Tensor& u, const at::Tensor& h,
                                        const at::Tensor& nnz, const at::Tensor& heavy, const at::Tensor& ent,
                                        const at::Tensor& items, const at::Tensor& longs, const at::Tensor& sizes,
-                                       int64_t slots) {
+                                       int64_t slots, const c10::optional<std::vector<at::Tensor>>& rows_done) {
   TORCH_CHECK(sizes.scalar_type() == at::kLong && sizes.numel() == 4,
               "twell.train_backward: sizes must be the forward's int64 [4]");
+  TORCH_CHECK(!rows_done.has_value() || rows_done->size() == 3,
+              "twell.train_backward: rows_done must be train_rows_backward's three results");
   const c10::cuda::CUDAGuard guard(x.device());
-  // On the device (a compiled graph) it is read here, one host sync; eager calls pass the forward's
-  // asynchronous copy, complete by then.
-  const at::Tensor sz_host = sizes.is_cuda() ? sizes.cpu() : sizes.contiguous();
+  at::Tensor sz_host = sizes.contiguous();
+  cudaEvent_t sizes_copied = nullptr;
+  if (sizes.is_cuda()) {
+    sz_host = at::empty({4}, sizes.options().device(at::kCPU).pinned_memory(true));
+    sz_host.copy_(sizes, /*non_blocking=*/true);
+    check_launch(cudaEventCreateWithFlags(&sizes_copied, cudaEventDisableTiming), "train_backward (event)");
+    check_launch(cudaEventRecord(sizes_copied, c10::cuda::getCurrentCUDAStream()), "train_backward (event)");
+  }
+  auto b = rows_done.has_value()
+               ? *rows_done
+               : train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad, slots);
+  if (sizes_copied != nullptr) {
+    const cudaError_t waited = cudaEventSynchronize(sizes_copied);
+    cudaEventDestroy(sizes_copied);
+    check_launch(waited, "train_backward (reading sizes)");
+  }
   const int64_t* sz = sz_host.data_ptr<int64_t>();
   const int64_t n_heavy = sz[0], n_items = sz[1], n_part = sz[2], n_long = sz[3], H = w_gate.size(0);
-  auto b = train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad, slots);
   at::Tensor &dx = b[0];
   c10::optional<at::Tensor> pd, pu, pg;
   if (n_heavy > 0) {
@@ -672,7 +708,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("train_forward", &train_forward, "the sparse training FFN's forward (no host sync where D % 64 == 0)",
         pybind11::arg("x"), pybind11::arg("w_gate"), pybind11::arg("w_up"), pybind11::arg("w_down"),
         pybind11::arg("slots"), pybind11::arg("chunk"), pybind11::arg("sizes_host") = pybind11::none());
-  m.def("train_backward", &train_backward, "the sparse training FFN's backward (no host sync given sizes on the CPU)");
+  m.def("train_backward", &train_backward, "the sparse training FFN's backward (no host sync given sizes on the CPU)",
+        pybind11::arg("d_out"), pybind11::arg("l1_grad"), pybind11::arg("x"), pybind11::arg("w_gate"),
+        pybind11::arg("w_up"), pybind11::arg("w_down"), pybind11::arg("w_down_t"), pybind11::arg("idx"),
+        pybind11::arg("val"), pybind11::arg("u"), pybind11::arg("h"), pybind11::arg("nnz"), pybind11::arg("heavy"),
+        pybind11::arg("ent"), pybind11::arg("items"), pybind11::arg("longs"), pybind11::arg("sizes"),
+        pybind11::arg("slots"), pybind11::arg("rows_done") = pybind11::none());
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");
   m.def("train_columns", &train_columns, "weight gradients from the column-sorted entries");

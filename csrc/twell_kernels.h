@@ -156,7 +156,14 @@ cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream);
 cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, int slots, int* counts, int* cursor,
                                  int* ent, bool fill, cudaStream_t stream);
 cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream);
-cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
+// The same in row order without a sort (the default): rows in bands of train_band_rows(H, slots) rows (0:
+// too little shared memory, use the sort). place = false: per-band counts into band_cnt [bands, H], then
+// each band's offset within its neuron, and totals [H] (the neurons' counts); place = true (after col_ptr
+// is their exclusive prefix sum): ent.
+int train_band_rows(int H, int slots);
+cudaError_t launch_train_bands(const int* idx, const int* nnz, int M, int H, int slots, int band, int* band_cnt,
+                               const int* col_ptr, int* totals, int* ent, bool place, cudaStream_t stream);
+cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H, int slots,
                               const int* col_ptr, cudaStream_t stream);
 // Heavy rows of the training forward on the dense path: row_l1[rows[q]] = sum over t of l1_part[q][t]
 // for q < *count.

@@ -18,7 +18,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <cub/device/device_segmented_sort.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
 
 #include "common.cuh"
 #include "twell_kernels.h"
@@ -473,6 +473,70 @@ __global__ void entry_fill_kernel(const int* __restrict__ idx, const int* __rest
   }
 }
 
+// The work list in row order without a sort: rows in bands of `band` rows. Per band and neuron a count
+// (band_count), then per neuron a scan down the bands (band_scan: each band's offset within the
+// neuron's segment, and the neuron's total), then each band places its entries, rows in order
+// (band_place). Every position is fixed by the pattern alone: deterministic, and no host sync.
+__global__ void band_count_kernel(const int* __restrict__ idx, const int* __restrict__ nnz, int M, int H, int slots,
+                                  int band, int* __restrict__ band_cnt) {
+  extern __shared__ int cnt[];  // [H]
+  for (int c = threadIdx.x; c < H; c += blockDim.x) cnt[c] = 0;
+  __syncthreads();
+  const int r0 = blockIdx.x * band, r1 = min(M, r0 + band), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = r0 + warp; r < r1; r += blockDim.x / 32) {
+    const int n = nnz[r];
+    if (n > slots) continue;  // heavy rows run dense
+    for (int k = lane; k < n; k += 32) atomicAdd(cnt + idx[size_t(r) * slots + k], 1);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H; c += blockDim.x) band_cnt[size_t(blockIdx.x) * H + c] = cnt[c];
+}
+
+__global__ void band_scan_kernel(int* __restrict__ band_cnt, int bands, int H, int* __restrict__ totals) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= H) return;
+  int run = 0;
+#pragma unroll 8
+  for (int b = 0; b < bands; ++b) {
+    const int v = band_cnt[size_t(b) * H + c];
+    band_cnt[size_t(b) * H + c] = run;
+    run += v;
+  }
+  totals[c] = run;
+}
+
+__global__ void band_place_kernel(const int* __restrict__ idx, const int* __restrict__ nnz, int M, int H, int slots,
+                                  int band, const int* __restrict__ band_off, const int* __restrict__ col_ptr,
+                                  int* __restrict__ ent) {
+  extern __shared__ int sm[];
+  int* cur = sm;           // [H]: the next position of each neuron in this band
+  int* rows = sm + H;      // [band][slots]: the band's entries, staged at once
+  int* counts = rows + size_t(band) * slots;  // [band]
+  const int r0 = blockIdx.x * band, nr = min(M - r0, band);
+  for (int c = threadIdx.x; c < H; c += blockDim.x) cur[c] = col_ptr[c] + band_off[size_t(blockIdx.x) * H + c];
+  for (int i = threadIdx.x; i < nr; i += blockDim.x) {
+    const int n = nnz[r0 + i];
+    counts[i] = n > slots ? 0 : n;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nr * slots; i += blockDim.x) {
+    const int k = i % slots;
+    if (k < counts[i / slots]) rows[i] = idx[size_t(r0) * slots + i];
+  }
+  __syncthreads();
+  // A row's neurons are distinct: its entries take their positions at once; the next row after a barrier.
+  for (int i = 0; i < nr; ++i) {
+    const int n = counts[i];
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+      const int c = rows[i * slots + k];
+      const int pos = cur[c];
+      cur[c] = pos + 1;
+      ent[pos] = (r0 + i) * slots + k;
+    }
+    __syncthreads();
+  }
+}
+
 // Per neuron: chunks (at least one, so that every neuron's gradient row is written), partial slots
 // (chunks of neurons with more than one), and whether it is long.
 __global__ void plan_count_kernel(const int* __restrict__ col_ptr, int H, int chunk, int* __restrict__ sizes) {
@@ -599,6 +663,36 @@ cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, i
   return cudaGetLastError();
 }
 
+namespace {
+constexpr size_t kBandSmem = 200 * 1024;  // shared memory a placing block may take
+}
+
+int train_band_rows(int H, int slots) {
+  const size_t room = kBandSmem > size_t(H) * 4 ? kBandSmem - size_t(H) * 4 : 0;
+  const size_t rows = room / (size_t(slots) * 4 + 4);
+  return rows >= 8 ? int(std::min<size_t>(rows, 64)) : 0;
+}
+
+cudaError_t launch_train_bands(const int* idx, const int* nnz, int M, int H, int slots, int band, int* band_cnt,
+                               const int* col_ptr, int* totals, int* ent, bool place, cudaStream_t stream) {
+  if (M == 0) return cudaSuccess;
+  if (band < 8 || band > 64 || band > train_band_rows(H, slots)) return cudaErrorInvalidValue;
+  const int bands = (M + band - 1) / band;
+  if (!place) {
+    const size_t smem = size_t(H) * 4;
+    cudaError_t err = cudaFuncSetAttribute(band_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+    band_count_kernel<<<bands, 256, smem, stream>>>(idx, nnz, M, H, slots, band, band_cnt);
+    band_scan_kernel<<<(H + 127) / 128, 128, 0, stream>>>(band_cnt, bands, H, totals);
+  } else {
+    const size_t smem = size_t(H) * 4 + size_t(band) * slots * 4 + size_t(band) * 4;
+    cudaError_t err = cudaFuncSetAttribute(band_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+    band_place_kernel<<<bands, 256, smem, stream>>>(idx, nnz, M, H, slots, band, band_cnt, col_ptr, ent);
+  }
+  return cudaGetLastError();
+}
+
 cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cudaStream_t stream) {
   if (R == 0 || C == 0) return cudaSuccess;
   transpose_kernel<<<dim3((C + 31) / 32, (R + 31) / 32), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
@@ -606,9 +700,19 @@ cudaError_t launch_transpose_bf16(const void* src, void* dst, int R, int C, cuda
   return cudaGetLastError();
 }
 
-cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H,
+// Entries e = row * slots + k, one per (row, neuron): within a neuron's segment, ascending e is ascending
+// row, so a power-of-two slots leaves its low bits out of the sort. A segmented radix sort, one block
+// per segment: cub::DeviceSegmentedSort would read its segment groups back to the host (a stream sync).
+cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int* out, int n, int H, int slots,
                               const int* col_ptr, cudaStream_t stream) {
-  return cub::DeviceSegmentedSort::SortKeys(temp, *temp_bytes, in, out, n, H, col_ptr, col_ptr + 1, stream);
+  int end_bit = 1, begin_bit = 0;
+  while (end_bit < 31 && (int64_t(1) << end_bit) < int64_t(n)) ++end_bit;
+  if (slots > 0 && (slots & (slots - 1)) == 0)
+    while ((1 << (begin_bit + 1)) <= slots) ++begin_bit;
+  begin_bit = std::min(begin_bit, end_bit - 1);
+  return cub::DeviceSegmentedRadixSort::SortKeys(temp, *temp_bytes, reinterpret_cast<const unsigned*>(in),
+                                                 reinterpret_cast<unsigned*>(out), n, H, col_ptr, col_ptr + 1,
+                                                 begin_bit, end_bit, stream);
 }
 
 cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,

@@ -178,7 +178,7 @@ def test_static_greedy_cache_len():
 def test_ffn_at_paper_sparsity_reads_the_committed_benchmarks():
     """Notebook 04's FFN-level table: the nnz29 rows of the three kernel benchmarks, as they recorded them."""
     files = {"inference": "reports/bench/ffn-NVIDIA-H100-80GB-HBM3-20261127T111641Z-s39-H100.json",
-             "training": "reports/bench/ffn-NVIDIA-H200-20261128T235225Z.json",
+             "training": "reports/bench/ffn-NVIDIA-H200-20261129T015639Z.json",
              "decode": "reports/bench/decode-NVIDIA-H200-20261128T193313Z.json"}
     t = efficiency.ffn_at_paper_sparsity(files)
     assert t["measure"].tolist() == ["inference"] * 3 + ["training"] + ["decode"] * 4

@@ -4,6 +4,7 @@ and layers whose heavy rows exceed any fixed capacity (GPU only; skipped and cou
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -133,6 +134,26 @@ def test_no_host_sync_where_d_is_a_multiple_of_64():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_forward_queues_behind_a_busy_gpu():
+    """The debug mode above sees only PyTorch's own syncs; a library call that waits for the stream
+    (a segmented sort that reads its segment groups back, say) would not show there. Here the forward is
+    queued behind ~1 s of GPU sleep: if anything in it waits for the GPU, the calls take that second."""
+    leaves = [t.requires_grad_(True) for t in _random(4096, 512, 1408, bias=-2.0, seed=11)]
+    keep = [ktrain.train_gated_ffn(*leaves, slots=16) for _ in range(4)]  # pinned blocks for the sizes, as in a loop
+    assert int((keep[0][2] > 16).sum()) > 0  # heavy rows: the dense path is in the check
+    torch.cuda.synchronize()
+    del keep
+    torch.cuda._sleep(int(2e9))
+    t0 = time.perf_counter()
+    outs = [ktrain.train_gated_ffn(*leaves, slots=16) for _ in range(3)]
+    queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    slept = time.perf_counter() - t0
+    assert slept > 0.3, f"the GPU sleep was too short to tell ({slept:.3f} s)"
+    assert queued < 0.25 * slept, f"the forward waited for the GPU: {queued:.3f} s of a {slept:.3f} s sleep"
+    assert all(torch.isfinite(o[0]).all() for o in outs)
+
+
 def test_double_backward_raises():
     leaves = [t.requires_grad_(True) for t in _random(64, 128, 256, bias=-1.0)]
     out, l1, _, _ = ktrain.train_gated_ffn(*leaves)
@@ -147,6 +168,31 @@ def test_long_neurons_are_chunked():
     wg[0, 0] = 1.0  # neuron 0: gate = 1 on every row
     nnz, _ = check_case(x, wg, wu, wd)
     assert nnz.min() >= 1
+
+
+@pytest.mark.parametrize("H, slots", [(5632, 16), (700, 1024), (52000, 16)])
+def test_work_list_holds_each_neurons_entries_in_row_order(H, slots):
+    """The weight-gradient work list: every light row's entries, grouped by neuron, rows ascending within
+    each (the fixed summation order). Banded placement where shared memory allows (the first two shapes),
+    the sort for very wide layers (the last)."""
+    from twell.kernels.build import load
+
+    g = torch.Generator().manual_seed(H + slots)
+    M = 300
+    nnz = torch.randint(0, slots + 6, (M,), generator=g, dtype=torch.int32)  # some rows heavy (> slots)
+    nnz[:3] = torch.tensor([0, slots, slots + 1], dtype=torch.int32)
+    nnz.clamp_(max=H)
+    idx = torch.zeros(M, slots, dtype=torch.int32)
+    hot = torch.randperm(H, generator=g)[:8]  # a few neurons active on many rows: long segments
+    for r in range(M):
+        n = min(int(nnz[r]), slots)
+        cols = list(dict.fromkeys(torch.cat([hot[torch.randperm(8, generator=g)[:4]],
+                                             torch.randperm(H, generator=g)]).tolist()))[:n]
+        idx[r, :n] = torch.tensor(cols, dtype=torch.int32)[torch.randperm(n, generator=g)]  # any order in a row
+    ent, items, longs, totals = load().train_worklist(idx.cuda(), nnz.cuda(), H, slots, ktrain.COLUMN_CHUNK)
+    light = [(int(idx[r, k]), r, r * slots + k) for r in range(M) if nnz[r] <= slots for k in range(int(nnz[r]))]
+    want = torch.tensor([e for _, _, e in sorted(light)], dtype=torch.int32)
+    assert torch.equal(ent[: want.numel()].cpu(), want)
 
 
 def test_zero_rows_input():

@@ -111,14 +111,17 @@ class _TrainGatedFFN(torch.autograd.Function):
         l1_grad = None if d_l1 is None else (d_l1.float() / max(1, x.shape[0])).reshape(1)
         if d_out is None:
             d_out = torch.zeros_like(x)
+        d_out = d_out.contiguous()
+        args = (d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h, nnz, heavy, ent, items, longs)
         if torch.compiler.is_compiling() or ctx.sizes_host is None:
-            bwd = _train_bwd
+            dx, d_gate, d_up, d_down = _train_bwd(*args, sizes, ctx.slots)
         else:
-            bwd = _train_bwd_eager
+            # The light rows' kernel needs no sizes: queued before the wait, it keeps the GPU busy while
+            # the host waits for the forward's end and then queues the rest.
+            rows_done = load().train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad,
+                                                   ctx.slots)
             ctx.sizes_ready.synchronize()
-            sizes = ctx.sizes_host
-        dx, d_gate, d_up, d_down = bwd(d_out.contiguous(), l1_grad, x, w_gate, w_up, w_down, w_down_t, idx,
-                                         val, u, h, nnz, heavy, ent, items, longs, sizes, ctx.slots)
+            dx, d_gate, d_up, d_down = _train_bwd_eager(*args, ctx.sizes_host, ctx.slots, rows_done)
         return dx, d_gate, d_up, d_down, None
 
 
