@@ -162,3 +162,38 @@ def test_variant_overrides():
     v = study.reinit_variants(50)
     assert v["re-init dead"] == ["sparsity.reinit_dead=true", "sparsity.reinit_every=50"]
     assert v["no re-init"] == ["sparsity.reinit_dead=false"]
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("kernel", marks=pytest.mark.gpu)])
+def test_reinit_dead_gates_reaches_the_training_path(impl, request):
+    """Dead-neuron re-initialisation rewrites gate rows in place between steps; the training path must see
+    the new rows at its next call (the kernels keep no copy of the weights). Same batch before and after:
+    64 dead neurons (zero gate rows, never open) revived with random rows open for about half the tokens,
+    and the path's activity after it equals the dense path's on the new weights."""
+    from twell.train.tracker import reinit_dead_gates
+
+    if impl == "kernel":
+        request.getfixturevalue("kernels_ready")
+    device = "cuda" if impl == "kernel" else "cpu"
+    f = _ffn(D=256, H=512).to(device)
+    f.train_backend = SparseTraining(impl=impl, start="sparse")
+    x = torch.randn(4, 64, 256, dtype=torch.bfloat16, device=device)
+    dead = torch.zeros(1, 512, dtype=torch.bool)
+    dead[0, :64] = True
+    with torch.no_grad():
+        f.gate_proj.weight[:64] = 0
+    f(x)
+    assert f.last_path == f"train-{impl}"
+    before = f.stats.active_per_token.float().mean().item()
+    assert not f.stats.neuron_active[:64].any()
+    opt = torch.optim.AdamW(f.parameters())
+    n = reinit_dead_gates([f], dead, opt, std=0.05, generator=torch.Generator().manual_seed(1))
+    f(x)
+    after = f.stats.active_per_token.float().mean().item()
+    assert n == 64 and f.stats.neuron_active[:64].all()
+    print(f"{impl}: active per token {before:.1f} -> {after:.1f}")
+    assert 0.3 * 64 <= after - before <= 0.7 * 64, (before, after)
+    f.train_backend = None
+    f(x)
+    dense = f.stats.active_per_token.float().mean().item()
+    assert abs(after - dense) <= 0.005 * dense, (after, dense)

