@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -477,7 +478,10 @@ std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& 
     at::Tensor tail = col_ptr.narrow(0, 1, H);
     at::cumsum_out(tail, tail.clone(), 0);
   };
-  if (const int band = twell::train_band_rows(int(H), int(slots)); band > 0) {
+  // Bands where their per-band counts ([bands, H] int32) stay small: within 64 MB or a few times the
+  // entries' capacity (M x slots). Very wide layers, or bands made narrow by many slots, sort instead.
+  const int band = twell::train_band_rows(int(H), int(slots));
+  if (band > 0 && (M + band - 1) / band * H <= std::max<int64_t>(4 * n, int64_t(1) << 24)) {
     // rows in bands, each band's entries placed in row order: no sort (the default)
     at::Tensor band_cnt = at::empty({std::max<int64_t>((M + band - 1) / band, 1), H}, iopt);
     check_launch(twell::launch_train_bands(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots), band,
@@ -627,21 +631,21 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
               "twell.train_backward: rows_done must be train_rows_backward's three results");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor sz_host = sizes.contiguous();
-  cudaEvent_t sizes_copied = nullptr;
+  // The event is destroyed on every path out of here (an argument check may throw in between).
+  std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> sizes_copied(nullptr, &cudaEventDestroy);
   if (sizes.is_cuda()) {
+    TORCH_CHECK(sizes.device() == x.device(), "twell.train_backward: sizes must be on x's device");
     sz_host = at::empty({4}, sizes.options().device(at::kCPU).pinned_memory(true));
     sz_host.copy_(sizes, /*non_blocking=*/true);
-    check_launch(cudaEventCreateWithFlags(&sizes_copied, cudaEventDisableTiming), "train_backward (event)");
-    check_launch(cudaEventRecord(sizes_copied, c10::cuda::getCurrentCUDAStream()), "train_backward (event)");
+    cudaEvent_t ev = nullptr;
+    check_launch(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "train_backward (event)");
+    sizes_copied.reset(ev);
+    check_launch(cudaEventRecord(ev, c10::cuda::getCurrentCUDAStream()), "train_backward (event)");
   }
   auto b = rows_done.has_value()
                ? *rows_done
                : train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad, slots);
-  if (sizes_copied != nullptr) {
-    const cudaError_t waited = cudaEventSynchronize(sizes_copied);
-    cudaEventDestroy(sizes_copied);
-    check_launch(waited, "train_backward (reading sizes)");
-  }
+  if (sizes_copied) check_launch(cudaEventSynchronize(sizes_copied.get()), "train_backward (reading sizes)");
   const int64_t* sz = sz_host.data_ptr<int64_t>();
   const int64_t n_heavy = sz[0], n_items = sz[1], n_part = sz[2], n_long = sz[3], H = w_gate.size(0);
   at::Tensor &dx = b[0];

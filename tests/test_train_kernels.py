@@ -170,11 +170,12 @@ def test_long_neurons_are_chunked():
     assert nnz.min() >= 1
 
 
-@pytest.mark.parametrize("H, slots", [(5632, 16), (700, 1024), (52000, 16)])
+@pytest.mark.parametrize("H, slots", [(5632, 16), (700, 1024), (52000, 16), (52000, 24)])
 def test_work_list_holds_each_neurons_entries_in_row_order(H, slots):
     """The weight-gradient work list: every light row's entries, grouped by neuron, rows ascending within
     each (the fixed summation order). Banded placement where shared memory allows (the first two shapes),
-    the sort for very wide layers (the last)."""
+    the sort for very wide layers (the last two: on the row bits alone where slots is a power of two, on
+    the whole entry index where it is not)."""
     from twell.kernels.build import load
 
     g = torch.Generator().manual_seed(H + slots)
@@ -187,7 +188,7 @@ def test_work_list_holds_each_neurons_entries_in_row_order(H, slots):
     for r in range(M):
         n = min(int(nnz[r]), slots)
         cols = list(dict.fromkeys(torch.cat([hot[torch.randperm(8, generator=g)[:4]],
-                                             torch.randperm(H, generator=g)]).tolist()))[:n]
+                                             torch.randperm(H, generator=g)[: n + 4]]).tolist()))[:n]
         idx[r, :n] = torch.tensor(cols, dtype=torch.int32)[torch.randperm(n, generator=g)]  # any order in a row
     ent, items, longs, totals = load().train_worklist(idx.cuda(), nnz.cuda(), H, slots, ktrain.COLUMN_CHUNK)
     light = [(int(idx[r, k]), r, r * slots + k) for r in range(M) if nnz[r] <= slots for k in range(int(nnz[r]))]
