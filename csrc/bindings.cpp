@@ -481,9 +481,10 @@ std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& 
   // Bands where their per-band counts ([bands, H] int32) stay small: within 64 MB or a few times the
   // entries' capacity (M x slots). Very wide layers, or bands made narrow by many slots, sort instead.
   const int band = twell::train_band_rows(int(H), int(slots));
-  if (band > 0 && (M + band - 1) / band * H <= std::max<int64_t>(4 * n, int64_t(1) << 24)) {
+  const int64_t bands = band > 0 ? (M + band - 1) / band : 0;
+  if (band > 0 && bands * H <= std::max<int64_t>(4 * n, int64_t(1) << 24)) {
     // rows in bands, each band's entries placed in row order: no sort (the default)
-    at::Tensor band_cnt = at::empty({std::max<int64_t>((M + band - 1) / band, 1), H}, iopt);
+    at::Tensor band_cnt = at::empty({std::max<int64_t>(bands, 1), H}, iopt);
     check_launch(twell::launch_train_bands(idx.data_ptr<int>(), nnz.data_ptr<int>(), int(M), int(H), int(slots), band,
                                            band_cnt.data_ptr<int>(), nullptr, col_ptr.data_ptr<int>() + 1, nullptr,
                                            false, stream),
