@@ -178,7 +178,7 @@ def test_static_greedy_cache_len():
 def test_ffn_at_paper_sparsity_reads_the_committed_benchmarks():
     """Notebook 04's FFN-level table: the nnz29 rows of the three kernel benchmarks, as they recorded them."""
     files = {"inference": "reports/bench/ffn-NVIDIA-H100-80GB-HBM3-20261127T111641Z-s39-H100.json",
-             "training": "reports/bench/ffn-NVIDIA-H200-20261129T015639Z.json",
+             "training": "reports/bench/ffn-NVIDIA-H200-20261129T030859Z.json",
              "decode": "reports/bench/decode-NVIDIA-H200-20261128T193313Z.json"}
     t = efficiency.ffn_at_paper_sparsity(files)
     assert t["measure"].tolist() == ["inference"] * 3 + ["training"] + ["decode"] * 4
@@ -192,3 +192,17 @@ def test_ffn_at_paper_sparsity_reads_the_committed_benchmarks():
         efficiency.ffn_at_paper_sparsity({"prefill": files["decode"]})
     with pytest.raises(ValueError, match="no decode result"):
         efficiency.ffn_at_paper_sparsity({"decode": files["decode"]}, case="nnz999")
+
+
+def test_compiled_training_rows_say_what_the_compiler_did(pair):
+    """training-compiled: each decoder layer compiled on both sides (inductor), compiled in the untimed steps; the
+    notes count the graphs and the graph breaks, so a layer that fell back to eager would show."""
+    cfg = {**SMALL, "prefill_batches": (), "decode_batches": (), "token_check": False, "train_compile": True}
+    res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], **cfg), progress=False)
+    (row,) = res["rows"]
+    assert row["measure"] == "training-compiled" and row["sparse"]["tokens_per_s"] > 0
+    for side in ("dense", "sparse"):
+        note = [n for n in row[side]["notes"] if n.startswith("compiled:")]
+        assert note and note[0].endswith(", 0 graph breaks"), row[side]["notes"]
+        assert int(note[0].split()[1]) >= 1
+    assert "training-compiled: each decoder layer compiled" in markdown_report(res)

@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--new-tokens", type=int, default=256)
     mo.add_argument("--train-batch", type=int, default=8, help="sequences per training step (0: no training rows)")
     mo.add_argument("--train-steps", type=int, default=5)
+    mo.add_argument("--train-compile", action="store_true",
+                    help="compile each decoder layer for the training rows (both sides), as train.compile does")
     mo.add_argument("--sparse-path", default="auto", choices=["auto", "kernel", "reference"])
     mo.add_argument("--no-static-decode", action="store_true",
                     help="skip the decode rows with a static KV cache (compiled: CUDA graphs)")
@@ -245,7 +247,7 @@ def model_main(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint, dense_checkpoint=args.dense_checkpoint, label=args.label, device=args.device,
         sparse_path=args.sparse_path, prefill_batches=tuple(args.prefill_batch), seq_len=args.seq,
         decode_batches=tuple(args.decode_batch), prompt_len=args.prompt, new_tokens=args.new_tokens,
-        train_batch=args.train_batch, train_steps=args.train_steps, reps=args.reps, energy=not args.no_energy,
+        train_batch=args.train_batch, train_steps=args.train_steps, train_compile=args.train_compile, reps=args.reps, energy=not args.no_energy,
         energy_seconds=args.energy_seconds, tokens=args.tokens, decode_static=not args.no_static_decode, decode_graph=not args.no_graph_decode,
         decode_compile=args.compiled_graph_decode, token_check=not args.no_token_check)
     try:

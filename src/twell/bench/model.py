@@ -10,7 +10,8 @@ alternating where it times (shared/BENCHMARK.md):
 - **memory**: peak GPU memory above the loaded model during each measurement;
 - **training**: tokens/s and peak memory of optimizer steps (forward, backward with the L1 term,
   AdamW), the sparse run on the sparse training kernels (``twell.nn.sparse_training``, layers
-  routed by their measured activity) against the dense path.
+  routed by their measured activity) against the dense path; with ``train_compile`` each decoder
+  layer is compiled first (``torch.compile``, both sides, as ``train.compile`` does in training).
 
 The dense side is the dense twin when ``dense_checkpoint`` is given (the paper's comparison: a model
 trained without L1 on the dense path), else the same checkpoint on the dense path. Every result
@@ -62,6 +63,7 @@ class ModelBenchConfig:
     new_tokens: int = 256
     train_batch: int = 8                         # sequences per training step (0: no training rows)
     train_steps: int = 5                         # timed steps per side (after 2 untimed)
+    train_compile: bool = False                  # training rows with each decoder layer compiled (both sides)
     l1_coef: float = 2e-5
     reps: int = 10
     warmup: int = 2
@@ -377,8 +379,9 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 
 
 def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
-                 device: torch.device) -> dict:
-    """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched)."""
+                 device: torch.device, compile_layers: bool = False) -> dict:
+    """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched);
+    ``compile_layers``: each decoder layer compiled after the routes are set (compiled in the untimed steps)."""
     from twell.model import set_tracking, sparse_ffns
     from twell.nn.sparse_training import SparseTraining, use_sparse_training
     from twell.train.recipe import sparse_lm_loss
@@ -401,6 +404,11 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
             m(input_ids=ids, use_cache=False)
         backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
         routes = [backend.route(f) for f in ffns]
+    if compile_layers:
+        from torch._dynamo.utils import counters
+        from twell.train.parallel import apply_compile
+        counters.clear()
+        apply_compile(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def step():
@@ -412,11 +420,15 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         for f in ffns:
             f.stats = None
 
-    for _ in range(warmup):
+    for _ in range(max(warmup, 2 if compile_layers else 0)):
         step()
     peak = peak_memory_above_baseline(step, device)
     secs = _timed(step, device, steps)
     notes = sorted({getattr(f, "train_note", "") for f in ffns} - {""})
+    if compile_layers:  # what the compiler did: a graph break or a fall-back to eager would show here
+        breaks = sum(counters["graph_break"].values())
+        notes.append(f"compiled: {counters['stats']['unique_graphs']} graphs, {breaks} graph breaks"
+                     + (f" ({', '.join(sorted(counters['graph_break']))[:300]})" if breaks else ""))
     del m, opt
     tokens = ids.shape[0] * (ids.shape[1] - 1)
     return {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,
@@ -435,8 +447,8 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
     dense = _load(cfg.dense_checkpoint or cfg.checkpoint, "dense", device)
     mc = sparse.config
     seq = cfg.seq_len or min(2048, int(mc.max_position_embeddings))
-    n_tok = max(max(cfg.prefill_batches) * seq, max(cfg.decode_batches) * cfg.prompt_len,
-                cfg.train_batch * (seq + 1))
+    n_tok = max(max(cfg.prefill_batches, default=0) * seq, max(cfg.decode_batches, default=0) * cfg.prompt_len,
+                cfg.train_batch * (seq + 1), seq)
     ids, source = _token_ids(cfg, n_tok, int(mc.vocab_size))
     pad = int(mc.pad_token_id if mc.pad_token_id is not None else (mc.eos_token_id if isinstance(mc.eos_token_id, int)
                                                                    else 0))
@@ -446,7 +458,7 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
     bar = progress_bar(total=steps, desc="model bench", progress=progress)
 
     # activity and CE on the first prefill batch (both models: the dense twin's are its own)
-    probe = ids[: min(cfg.prefill_batches) * seq].view(-1, seq).to(device)
+    probe = ids[: min(cfg.prefill_batches, default=1) * seq].view(-1, seq).to(device)
     activity = {side: model_activity(m, probe) for side, m in models.items()}
 
     for b in cfg.prefill_batches:
@@ -499,9 +511,11 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
 
     if cfg.train_batch:
         x = ids[: cfg.train_batch * (seq + 1)].view(cfg.train_batch, seq + 1).to(device)
-        row = {"measure": "training", "batch": cfg.train_batch, "seq": seq, "tokens": cfg.train_batch * seq}
+        row = {"measure": "training-compiled" if cfg.train_compile else "training", "batch": cfg.train_batch,
+               "seq": seq, "tokens": cfg.train_batch * seq}
         for side, m in models.items():
-            row[side] = _train_steps(m, x, cfg.train_steps, cfg.warmup, cfg.l1_coef, side == "sparse", device)
+            row[side] = _train_steps(m, x, cfg.train_steps, cfg.warmup, cfg.l1_coef, side == "sparse", device,
+                                     compile_layers=cfg.train_compile)
         row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
         rows.append(row)
         bar.update(1)
@@ -556,11 +570,14 @@ def markdown_report(res: dict) -> str:
                      f"{_fmt(s[unit[0]], '.1f')} {unit[1]} | {_fmt(r['speedup'], '.3f')}x | {mb(d.get('peak_bytes'))} "
                      f"| {mb(s.get('peak_bytes'))} | {_fmt(d.get('joules_per_token'), '.3g')} "
                      f"| {_fmt(s.get('joules_per_token'), '.3g')} |")
-    tr = [r for r in res["rows"] if r["measure"] == "training"]
+    tr = [r for r in res["rows"] if r["measure"] in ("training", "training-compiled")]
     if tr and tr[0]["sparse"].get("routes"):
         lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
         if tr[0]["sparse"].get("notes"):
-            lines.append(f"Layers left dense by the backend: {'; '.join(tr[0]['sparse']['notes'])}")
+            lines.append(f"Notes of the sparse side's training: {'; '.join(tr[0]['sparse']['notes'])}")
+        if tr[0]["measure"] == "training-compiled":
+            lines.append(f"training-compiled: each decoder layer compiled (torch.compile), both sides; the dense "
+                         f"side's compiler notes: {'; '.join(tr[0]['dense'].get('notes') or ['-'])}")
     if any(r["measure"] in ("decode-static", "decode-graph", "decode-compiled-graph") for r in res["rows"]):
         lines += ["", "decode: greedy generate, eager; decode-static: generate with a static KV cache (transformers "
                       "compiles the step where it can); decode-graph: greedy steps with a static KV cache, each step's "
