@@ -34,10 +34,8 @@ train)
         "${checks[@]}"
     fi
     corpus_args cuda shared:corpus/python311_docs.jsonl
-    python3 -m twell.train --config "$SCALE" --out "$RUN" "${CORPUS_ARGS[@]}" --set train.steps="${STEPS:-4500}" \
-        --set train.seq_len=1024 --set train.global_batch=4 --set train.micro_batch=4 --set optim.warmup_steps=200 \
-        --set train.eval_every="${STEPS:-4500}" --set train.log_every=10 --set train.activation_checkpointing=false \
-        --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
+    python3 -m twell.train --config "$SCALE" --out "$RUN" "${CORPUS_ARGS[@]}" "${E2E_RECIPE_SETS[@]}" \
+        --set train.steps="${STEPS:-4500}" --set train.eval_every="${STEPS:-4500}" --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
         > "$OUT/train.log" 2>&1
     echo "train rc=$?"
     if [ "${CHECKS:-1}" != 0 ] && [ -n "${TESTS_GPU:-}" ]; then

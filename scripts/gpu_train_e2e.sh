@@ -29,10 +29,8 @@ train)
         echo "tests rc=$?"; tail -4 "$OUT/tests.log"
     fi
     corpus_args cuda shared:corpus/python311_docs.jsonl
-    python3 -m twell.train --config "$SCALE" --out "$RUN" "${CORPUS_ARGS[@]}" --set train.steps="${STEPS:-5000}" \
-        --set train.seq_len=1024 --set train.global_batch=4 --set train.micro_batch=4 --set optim.warmup_steps=200 \
-        --set train.eval_every="${STEPS:-5000}" --set train.log_every=10 --set train.activation_checkpointing=false \
-        --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
+    python3 -m twell.train --config "$SCALE" --out "$RUN" "${CORPUS_ARGS[@]}" "${E2E_RECIPE_SETS[@]}" \
+        --set train.steps="${STEPS:-5000}" --set train.eval_every="${STEPS:-5000}" --set train.stop_at_unix=$(( T0 + ${DEADLINE_S:-480} )) --set train.wall_reserve_s=40 \
         > "$OUT/train.log" 2>&1
     echo "train rc=$?"
     cp "$RUN/summary.json" "$OUT/summary_$SCALE.json" 2>/dev/null
@@ -70,15 +68,13 @@ bench)
 resume)
     # python -m twell.train itself, with and without the kernels: the same training state continued for
     # RESUME_STEPS more steps (the recipe's batch: a resume keeps the data order), one after the other
-    corpus_args cuda shared:corpus/python311_docs.jsonl
-    args=(); for a in "${CORPUS_ARGS[@]}"; do [ "$a" = --overwrite ] || args+=("$a"); done
+    corpus_args cuda shared:corpus/python311_docs.jsonl --resume
     total=$(( $(json_get "$RUN/summary.json" steps_done) + ${RESUME_STEPS:-300} ))
     for mode in auto never; do
         rm -rf "${RUN}_$mode" && cp -r "$RUN" "${RUN}_$mode"
-        python3 -m twell.train --config "$SCALE" --out "${RUN}_$mode" --resume "${args[@]}" --set train.steps=$total \
-            --set train.seq_len=1024 --set train.global_batch=4 --set train.micro_batch=4 --set optim.warmup_steps=200 \
-            --set train.eval_every=100000 --set train.eval_tokens=16384 --set train.log_every=10 \
-            --set train.activation_checkpointing=false --set train.sparse_kernels=$mode > "$OUT/resume_$mode.log" 2>&1
+        python3 -m twell.train --config "$SCALE" --out "${RUN}_$mode" "${CORPUS_ARGS[@]}" "${E2E_RECIPE_SETS[@]}" \
+            --set train.steps=$total --set train.eval_every=100000 --set train.eval_tokens=16384 \
+            --set train.sparse_kernels=$mode > "$OUT/resume_$mode.log" 2>&1
         echo "resume $mode rc=$?"
     done
     python3 - "$RUN" "$OUT/resume_throughput.json" <<'PY'

@@ -1,17 +1,24 @@
 # Shell pieces shared by the GPU-machine scripts that train on the offline corpus and benchmark what they
-# trained (gpu_efficiency.sh, gpu_scale_runs.sh). Sourced after scripts/offline_env.sh, with the repository
-# root as the working directory.
+# trained (gpu_efficiency.sh, gpu_scale_runs.sh, gpu_decode_e2e.sh, gpu_train_e2e.sh). Sourced after
+# scripts/offline_env.sh, with the repository root as the working directory.
 
 # The data overrides of every offline-corpus run: 2% held-out documents, never the hub. `python -m twell.data`
 # must get the same ones to prepare the folder the runs then find in the cache.
 CORPUS_DATA_SETS=(--set data.val_fraction=0.02 --set data.allow_network=false)
 
-# corpus_args DEVICE DATA: the overrides every offline-corpus training run shares, into the array CORPUS_ARGS
-# (bf16 export, no checkpoint before the end, no progress bar, an earlier run in --out replaced).
+# corpus_args DEVICE DATA [START]: the overrides every offline-corpus training run shares, into the array
+# CORPUS_ARGS (bf16 export, no checkpoint before the end, no progress bar; START --overwrite, the default,
+# replaces an earlier run in --out, --resume continues it).
 corpus_args() {
-    CORPUS_ARGS=(--data "$2" --overwrite --set train.device="$1" "${CORPUS_DATA_SETS[@]}"
+    CORPUS_ARGS=(--data "$2" "${3:---overwrite}" --set train.device="$1" "${CORPUS_DATA_SETS[@]}"
                  --set train.export_dtype=bf16 --set train.ckpt_every=100000 --set train.progress=false)
 }
+
+# The one-GPU recipe of the end-to-end scripts (gpu_decode_e2e.sh, gpu_train_e2e.sh): 4 sequences of 1024
+# tokens per step, 200 warm-up steps, a record every 10 steps, no activation checkpointing. A resumed run
+# must repeat them (the batch fixes the data order).
+E2E_RECIPE_SETS=(--set train.seq_len=1024 --set train.global_batch=4 --set train.micro_batch=4
+                 --set optim.warmup_steps=200 --set train.log_every=10 --set train.activation_checkpointing=false)
 
 # launch_train NPROC ARGS...: python -m twell.train, under torchrun when NPROC > 1.
 launch_train() {
