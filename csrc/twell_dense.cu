@@ -16,8 +16,8 @@
 // Rounds: the buffers hold cap rows (the workspace stays at cap x (D + H) bf16 whatever the input).
 // Queue entries past cap go through the same two GEMMs in rounds of cap rows, in one cooperative
 // kernel that copies each round's x rows into xh and separates the round's steps with grid barriers.
-// Without it a near-dense input (most rows heavy) ran the rows past cap on the per-row heavy kernel:
-// 36 ms against 0.82 ms dense at M = 8192 with 1500 of 5632 neurons active per row (H200).
+// Without it a near-dense input (most rows heavy) ran the rows past cap on the per-row heavy kernel,
+// tens of times slower than dense (measured in docs/kernels.md §5).
 //
 // The path takes the whole queue or none of it (dense_takes_queue): fewer than kDenseMinRows rows
 // are faster on the per-row kernel, and a partial share would depend on the queue's order (device

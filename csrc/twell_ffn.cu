@@ -548,7 +548,7 @@ cudaError_t launch_twell_ffn(const void* x, const uint32_t* tw, const uint32_t* 
 cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t,
                                     void* out, uint32_t* tw, uint32_t* spill, uint32_t* spill_used, uint32_t spill_cap,
                                     uint32_t* workspace, int M, int D, int H, int tile, int S, FfnPaths paths,
-                                    int device, cudaStream_t stream) {
+                                    int device, cudaStream_t stream, int cluster) {
   if (M == 0) return cudaSuccess;
   const bool overlap = ffn::optional_path(D, H, true, paths) == ffn::Optional::none;
   cudaError_t err = cudaSuccess;
@@ -556,7 +556,8 @@ cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const voi
   // it in the stream (a memset in between would end the overlap).
   if (overlap) err = cudaMemsetAsync(workspace, 0, ffn::Q_ROWS * sizeof(uint32_t), stream);
   if (err == cudaSuccess)
-    err = launch_gate_twell(x, w_gate, tw, spill, spill_used, spill_cap, M, D, H, tile, S, device, stream, 0, overlap);
+    err = launch_gate_twell(x, w_gate, tw, spill, spill_used, spill_cap, M, D, H, tile, S, device, stream, cluster, 0,
+                            overlap);
   if (err != cudaSuccess) return err;
   return ffn::launch(x, tw, spill, w_gate, w_up, w_down_t, out, workspace, M, D, H, tile, S, paths, device, stream, 0,
                      overlap ? spill_used + 1 : nullptr);

@@ -337,14 +337,6 @@ cudaError_t launch(const void* x, const void* w, uint32_t* out, int M, int D, in
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    cfg.gridDim = dim3(clusters * CL);
-    if (getenv("TWELL_DEBUG_LAUNCH")) {
-      int active = 0;
-      cudaError_t q = cudaOccupancyMaxActiveClusters(&active, kernel, &cfg);
-      fprintf(stderr, "twell gate: %d clusters of %d requested, occupancy query says %d (%s)\n", clusters, CL, active,
-              cudaGetErrorString(q));
-      cudaGetLastError();
-    }
   }
   cfg.gridDim = dim3(std::min(n_groups, clusters) * CL);
   err = cudaLaunchKernelEx(&cfg, kernel, mx, mw, out, M, H, D, S, (H + T - 1) / T, spill);
@@ -399,14 +391,13 @@ uint32_t gate_ready_target(int H) { return uint32_t((H + gate::BN - 1) / gate::B
 
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream, int max_sms, bool ready) {
+                              cudaStream_t stream, int cluster, int max_sms, bool ready) {
+  if (cluster != 1 && cluster != 2) return cudaErrorInvalidValue;
   if (M == 0) return cudaSuccess;
   if (D % gate::BK != 0 || H > 65536 || S < 2 || tile % S != 0) return cudaErrorInvalidValue;
   if (ready && spill_used == nullptr) return cudaErrorInvalidValue;
   const gate::Spill sp{spill, spill_used, spill_cap, ready ? spill_used + 1 : nullptr};
-  // TWELL_GATE_CLUSTER=1 selects the single-CTA variant (kept for comparison).
-  static const bool single = [] { const char* e = getenv("TWELL_GATE_CLUSTER"); return e && e[0] == '1'; }();
-  if (single) {
+  if (cluster == 1) {
     switch (tile) {
       case 256: return gate::launch<256, 1>(x, w, out, M, D, H, S, sp, device, stream, max_sms);
       case 128: return gate::launch<128, 1>(x, w, out, M, D, H, S, sp, device, stream, max_sms);

@@ -18,9 +18,11 @@ namespace twell {
 // ready: the gate_ready_words(M) words after *spill_used are counters (zeroed here with it) that
 // release rows to a fused kernel launched right after (launch_sparse_gated_ffn): counter r / 32
 // reaches gate_ready_target(H) once row r's words are stored.
+// cluster: CTAs per cluster, 2 (the two share each W_gate tile by TMA multicast) or 1 (the single-CTA
+// variant, kept for comparison; docs/kernels.md §3); anything else is cudaErrorInvalidValue.
 cudaError_t launch_gate_twell(const void* x, const void* w, uint32_t* out, uint32_t* spill, uint32_t* spill_used,
                               uint32_t spill_cap, int M, int D, int H, int tile, int S, int device,
-                              cudaStream_t stream, int max_sms = 0, bool ready = false);
+                              cudaStream_t stream, int cluster, int max_sms = 0, bool ready = false);
 int gate_ready_words(int M);
 uint32_t gate_ready_target(int H);
 
@@ -47,11 +49,12 @@ size_t ffn_workspace_words(int M, int D, int H, bool gated, bool has_act, FfnPat
 // The whole gated FFN: gate kernel (TwELL into tw, spill area as in launch_gate_twell, plus
 // gate_ready_words(M) ready counters after *spill_used), then the fused kernels with w_act = w_gate.
 // Without an optional path the light kernel overlaps the gate kernel's last wave (ready counters,
-// programmatic stream serialization; docs/kernels.md §6); workspace as for launch_twell_ffn.
+// programmatic stream serialization; docs/kernels.md §6); workspace as for launch_twell_ffn; cluster
+// as for launch_gate_twell.
 cudaError_t launch_sparse_gated_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t,
                                     void* out, uint32_t* tw, uint32_t* spill, uint32_t* spill_used, uint32_t spill_cap,
                                     uint32_t* workspace, int M, int D, int H, int tile, int S, FfnPaths paths,
-                                    int device, cudaStream_t stream);
+                                    int device, cudaStream_t stream, int cluster);
 
 // Dense path for heavy rows (twell_dense.cu): when dense_takes_queue(*count, cap), for every entry h,
 // out[rows[h]] = (relu(x[rows[h]] @ w_act^T) [* (x[rows[h]] @ w_up^T) if w_up]) @ w_down_t, in rounds

@@ -27,8 +27,8 @@ namespace twell {
 namespace {
 
 constexpr int kRowsPerBlock = 8;  // rows per block (one warp each) of the compaction and work-list kernels
-// Entries per step of the weight-gradient kernel, their loads issued first (4: 64 registers, fewer
-// blocks per SM, 0.93 -> 1.04 ms at nnz 29 on an H200).
+// Entries per step of the weight-gradient kernel, their loads issued first (4 was measured slower:
+// 64 registers, fewer blocks per SM; docs/training_kernels.md §3).
 constexpr int kColumnBatch = 2;
 
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {

@@ -1,6 +1,7 @@
 """Tests of twell.kernels.build: flags, build-cache hashing, available() reasons, the JIT loader."""
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,66 @@ def test_default_sources_are_every_cu_and_cpp(tmp_path):
     for name in ("b.cu", "a.cpp", "c.cuh", "d.h", "notes.md"):
         (tmp_path / name).write_text("")
     assert [p.name for p in build.default_sources(tmp_path)] == ["a.cpp", "b.cu"]
+
+
+CSRC = build.csrc_dir()
+
+
+def test_every_csrc_file_is_built_and_hashed():
+    """Every file of csrc/ is a source the extension compiles or a header the build hash covers, so a
+    new file (a bindings_<family>.cpp, a header) cannot be left out of the cached build; one file
+    registers the module, the family files define what it registers."""
+    spec = build.ExtensionSpec.from_dir()
+    listed = {p.name for p in spec.sources + spec.headers}
+    present = {p.name for p in CSRC.iterdir() if p.is_file()}
+    assert present == listed, sorted(present ^ listed)
+    assert {"bindings.cpp", "bindings_common.h"} <= listed
+    assert [p.name for p in spec.sources if "PYBIND11_MODULE" in p.read_text()] == ["bindings.cpp"]
+
+
+def test_csrc_reads_no_environment():
+    """Every setting of a launch is an argument of the ops (docs/kernels.md §2): no getenv (nor
+    environ) anywhere in csrc/."""
+    pattern = re.compile(r"\b(secure_)?getenv\b|\benviron\b")
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in sorted(CSRC.iterdir()) if p.is_file()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits
+
+
+def test_launch_settings_have_no_defaults_in_the_extension():
+    """The extension's functions require the settings of a launch (block-union rule, dense-path
+    capacity, spill capacity, gate cluster), so that their defaults live only in the Python constants
+    the ops pass (twell.reference.ffn, twell.kernels.ops.spill_capacity)."""
+    text = (CSRC / "bindings.cpp").read_text()
+    for name in ("union_ratio", "union_base", "dense_cap", "spill_cap", "cluster"):
+        assert f'py::arg("{name}")' in text, name
+        assert not re.search(rf'py::arg\("{name}"\)\s*=', text), name
+
+
+def test_spill_capacity_has_one_formula():
+    """The spill area's size comes from twell.kernels.ops.spill_capacity alone: the extension receives it
+    (spill_cap) and has no formula of its own, and the gate op's fake output, what torch.compile and CUDA
+    graphs plan memory with, is that many words plus the words-used counter, for concrete and symbolic
+    row counts (the real op's size is checked on the GPU, tests/test_kernels.py)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from twell.kernels import ops
+
+    host = "\n".join(p.read_text() for p in sorted(CSRC.glob("bindings*")))
+    assert not re.search(r"\bspill_capacity\s*\(\s*int", host) and "1 << 20" not in host
+    assert [ops.spill_capacity(M) for M in (0, 16384, 16385)] == [1 << 20, 1 << 20, 16385 * 64]
+    w = torch.empty(300, 256, dtype=torch.bfloat16, device="meta")
+
+    def spill_area(x, w):
+        return ops._gate_op(x, w, 256, 16, 2)[1]
+
+    traced = make_fx(spill_area, tracing_mode="symbolic")(torch.empty(3000, 256, dtype=torch.bfloat16, device="meta"),
+                                                          w)
+    for M in (1, 16384, 20000, 100000):
+        x = torch.empty(M, 256, dtype=torch.bfloat16, device="meta")
+        packed, spill = ops._gate_op(x, w, 256, 16, 2)
+        assert packed.shape == (M, 2 * 16) and packed.dtype == torch.uint32
+        assert spill.shape == traced(x, w).shape == (ops.spill_capacity(M) + 1,)
 
 
 

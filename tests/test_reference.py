@@ -289,6 +289,100 @@ def test_module_runs_one_op_unless_it_needs_the_twell(monkeypatch):
     assert torch.equal(out, one_op(x, wg, wu, wd.t().contiguous()))
 
 
+OPS = ("twell_gate", "twell_gated_ffn", "twell_ffn", "sparse_gated_ffn")
+
+
+def _arguments(fn):
+    """(name, kind, default) of each parameter: the signature without its annotations, which the two
+    modules spell differently."""
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_kernel_and_reference_ops_take_the_same_arguments(name):
+    """The kernels' ops and the reference ops have the same arguments and defaults, settings included
+    (twell.kernels imports without a GPU and builds nothing)."""
+    from twell import kernels, reference
+
+    assert _arguments(getattr(kernels, name)) == _arguments(getattr(reference, name))
+
+
+def test_settings_default_to_the_named_constants():
+    """Each setting's default is the one constant of twell.reference.ffn (docs/kernels.md §2), in the
+    kernels and the reference alike."""
+    import inspect
+
+    from twell import kernels
+    from twell.reference import ffn
+
+    for module in (kernels, ffn):
+        for name in OPS:
+            params = inspect.signature(getattr(module, name)).parameters
+            defaults = {"union": None, "dense_cap": ffn.DENSE_CAP, "gate_cluster": ffn.GATE_CLUSTER,
+                        "compression": ffn.SPARSE_FFN_COMPRESSION}
+            for arg, want in defaults.items():
+                if arg in params:
+                    assert params[arg].default is want, (module.__name__, name, arg)
+    assert ffn.check_union_rule(None) is None and ffn.UNION_OFF == (0.0, 0.0) and ffn.GATE_CLUSTER == 2
+    assert inspect.signature(kernels.union_plan).parameters["ratio"].default == ffn.UNION_RULE[0]
+    assert inspect.signature(kernels.union_plan).parameters["base"].default == ffn.UNION_RULE[1]
+
+
+def test_compression_default_is_one_value_for_the_ops():
+    """twell_gate, sparse_gated_ffn (kernels and reference), layer_unsupported and SparseFFN default to
+    one compression, SPARSE_FFN_COMPRESSION, so twell_gated_ffn(x, twell_gate(x, w_gate), ...) is the
+    default sparse_gated_ffn. The format's packer keeps the published one (PUBLISHED_COMPRESSION: it has
+    no spill area; docs/kernels.md §6)."""
+    import inspect
+
+    from twell import kernels, reference
+    from twell.formats import TwELL, pack_twell, twell_nbytes
+    from twell.formats.twell import PUBLISHED_COMPRESSION
+
+    def default(fn):
+        return inspect.signature(fn).parameters["compression"].default
+
+    ops = [kernels.twell_gate, kernels.sparse_gated_ffn, kernels.layer_unsupported, reference.twell_gate,
+           reference.sparse_gated_ffn, SparseFFN.__init__]
+    assert {default(fn) for fn in ops} == {SPARSE_FFN_COMPRESSION} == {16}
+    assert {default(fn) for fn in (pack_twell, twell_nbytes)} == {PUBLISHED_COMPRESSION} == {8}
+    assert TwELL.__dataclass_fields__["compression"].default == PUBLISHED_COMPRESSION
+    x, wg, wu, wd = ffn_inputs(70, 64, 300, 1.0, 3, heavy_rows=2)
+    wdt = wd.t().contiguous()
+    gate = twell_gate(x, wg)
+    assert gate.compression == SPARSE_FFN_COMPRESSION
+    assert torch.equal(twell_gated_ffn(x, gate, wu, wdt), sparse_gated_ffn(x, wg, wu, wdt))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dense_cap=-1), "dense_cap"), (dict(dense_cap=2.5), "dense_cap"), (dict(dense_cap=True), "dense_cap"),
+    (dict(dense_cap="4096"), "dense_cap"), (dict(gate_cluster=0), "gate_cluster"),
+    (dict(gate_cluster=4), "gate_cluster"), (dict(gate_cluster=2.0), "gate_cluster"),
+])
+def test_kernel_settings_are_checked_on_the_cpu(kwargs, match):
+    """The kernels' dense-path capacity and gate cluster size are checked by the reference too, so a bad
+    setting fails on the CPU as on the GPU; good ones leave the result unchanged."""
+    from twell.reference.ffn import check_dense_cap, check_gate_cluster
+
+    x, wg, wu, wd = ffn_inputs(70, 64, 300, -1.0, 0)
+    wdt = wd.t().contiguous()
+    with pytest.raises(ValueError, match=match):
+        sparse_gated_ffn(x, wg, wu, wdt, **kwargs)
+    if "dense_cap" in kwargs:
+        with pytest.raises(ValueError, match=match):
+            twell_gated_ffn(x, twell_gate(x, wg), wu, wdt, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            twell_ffn(twell_gate(x, wu), wdt, **kwargs)
+    else:
+        with pytest.raises(ValueError, match=match):
+            twell_gate(x, wg, **kwargs)
+    assert check_dense_cap(None) is None and check_dense_cap(0) == 0 and check_gate_cluster(1) == 1
+    same = sparse_gated_ffn(x, wg, wu, wdt, dense_cap=0, gate_cluster=1)
+    assert torch.equal(same, sparse_gated_ffn(x, wg, wu, wdt))
+
+
 @pytest.mark.parametrize("bad", [(1.0,), (-1.0, 0.0), (0.5, -600.0), (float("inf"), 0.0), "12", 0.5])
 def test_union_rule_is_checked(bad):
     """``union`` (the kernels' block-union rule, per call or per layer) is checked in the reference too,
@@ -513,17 +607,20 @@ def test_auto_does_not_decide_on_an_empty_batch():
     assert ffn._auto_dense is True and "dense from the next call on" in ffn.auto_note
 
 
-def test_explicit_sparse_path_runs_dense_once_the_activation_is_not_relu():
+def test_explicit_sparse_path_raises_once_the_activation_is_not_relu():
     """The path setter refuses a sparse path for a SiLU layer; a layer whose activation is changed
-    after its path was set must not run the ReLU sparse path on it (it runs dense and says so)."""
+    after its path was set must not run the ReLU sparse path on it, nor turn dense silently: it raises."""
     from twell.nn import SparseFFN
 
     ffn = SparseFFN(64, 128).bfloat16()
     ffn.path = "reference"
     ffn.activation = "silu"
     x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(ValueError, match="needs activation='relu'.*'silu'"):
+        ffn(x)
+    ffn.path = "auto"  # "auto" runs it dense, and says why
     with torch.no_grad():
         out = ffn(x)
         g, u = ffn.gate_proj(x), ffn.up_proj(x)
         expect = ffn.down_proj(torch.nn.functional.silu(g) * u)
-    assert ffn.last_path == "dense" and torch.equal(out, expect)
+    assert ffn.last_path == "dense" and torch.equal(out, expect) and "silu" in ffn.auto_note

@@ -1,10 +1,11 @@
 """Near-dense inputs on the one-op sparse FFN: time against dense PyTorch for several dense-path
-capacities ($TWELL_DENSE_CAP), and what non-finite inputs and weights give. Writes JSON to $OUT."""
+capacities (the ops' dense_cap: its rule, then M rows), and what non-finite inputs and weights give.
+Writes JSON to $OUT."""
 import json, math, os, sys, time
 import torch
 import torch.nn.functional as F
 from twell.bench.generator import calibrated_ffn_inputs
-from twell.kernels import sparse_gated_ffn, load
+from twell.kernels import dense_capacity, sparse_gated_ffn
 
 def timeit(fn, reps=20):
     for _ in range(3): fn()
@@ -28,14 +29,12 @@ for M, nnz in cases:
     wdt = wd.t().contiguous()
     ref = dense(x, wg, wu, wd)
     td = timeit(lambda: dense(x, wg, wu, wd))
-    for cap in ["", str(M)]:
-        os.environ["TWELL_DENSE_CAP"] = cap
-        y = sparse_gated_ffn(x, wg, wu, wdt)
+    for cap in [None, M]:
+        y = sparse_gated_ffn(x, wg, wu, wdt, dense_cap=cap)
         err = float((y.float() - ref.float()).norm() / ref.float().norm())
-        ts = timeit(lambda: sparse_gated_ffn(x, wg, wu, wdt), reps=5 if cap == "" and nnz > 500 else 20)
-        rows.append(dict(M=M, nnz=nnz, cap=cap or "default", cap_rows=int(load().dense_cap(M)), dense_ms=td, sparse_ms=ts, slowdown=ts / td, rel_err=err))
+        ts = timeit(lambda: sparse_gated_ffn(x, wg, wu, wdt, dense_cap=cap), reps=5 if cap is None and nnz > 500 else 20)
+        rows.append(dict(M=M, nnz=nnz, cap="default" if cap is None else str(cap), cap_rows=dense_capacity(M, cap), dense_ms=td, sparse_ms=ts, slowdown=ts / td, rel_err=err))
         print(rows[-1], flush=True)
-    os.environ["TWELL_DENSE_CAP"] = ""
     del inp, x, wg, wu, wd, wdt, ref; torch.cuda.empty_cache()
 
 # Non-finite values: compare which output rows are non-finite, sparse against dense.

@@ -1,5 +1,5 @@
-"""The whole sparse FFN with the dense path for heavy rows off and on (csrc/twell_dense.cu;
-TWELL_DENSE_CAP: 0 off, else the number of queued heavy rows it may take), beside dense PyTorch, on
+"""The whole sparse FFN with the dense path for heavy rows off and on (csrc/twell_dense.cu; the ops'
+dense_cap: 0 off, None its rule, else the rows per round it takes), beside dense PyTorch, on
 the BENCHMARK.md cases. Timing protocol of the bench (alternating calls, CUDA events, L2 flushed,
 median of 30). Prints CSV (times in ms, speedups over dense in the same run, the relative difference
 of the two sparse outputs) and, for the cases with heavy rows, the per-kernel split with the path on.
@@ -9,15 +9,14 @@ import sys
 
 from twell import kernels, reference
 from twell.bench.timing import time_alternating
-from twell.paths import environ_set
 from probe_cases import benchmark_inputs  # sibling probes (this directory is on sys.path when run as a script)
 from union_ratio import kernel_times
 
 
 def with_cap(cap, fn):
+    """A call of fn(dense_cap=cap): fn passes it on to the op (None: the rule)."""
     def call():
-        with environ_set({"TWELL_DENSE_CAP": str(cap)} if cap is not None else {}):
-            return fn()
+        return fn(dense_cap=cap)
     return call
 
 
@@ -28,7 +27,8 @@ def main(M=65536, caps=(0, None)):
     for nnz, tail, inp, wdt in benchmark_inputs(M):
         x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
         heavy = int(kernels.twell_gate(x, wg).nnz_per_row().gt(128).sum())
-        fns = {n: with_cap(c, lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt)) for n, c in zip(names, caps)}
+        fns = {n: with_cap(c, lambda dense_cap: kernels.sparse_gated_ffn(x, wg, wu, wdt, dense_cap=dense_cap))
+               for n, c in zip(names, caps)}
         fns["dense"] = lambda: reference.dense_gated_ffn(x, wg, wu, wd)
         t = time_alternating(fns, "cuda", reps=30)
         outs = [fns[n]().float() for n in names]

@@ -22,6 +22,14 @@ from twell.bench.ffn import rel_error
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
 from twell.kernels.build import load
+from twell.kernels.ops import spill_capacity
+
+# the extension's settings, as the ops pass them: the default gate cluster, no union rule, the default dense cap
+FFN_KW = dict(union_ratio=0.0, union_base=0.0, dense_cap=None)
+
+
+def gate_kw(M):
+    return dict(spill_cap=spill_capacity(M), cluster=2)
 
 CASES = [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)]
 TILE, COMP = 256, 8
@@ -37,8 +45,8 @@ def dense(x, wg, wu, wd):
 
 
 def sparse(ext, x, wg, wu, wdt):
-    packed, spill = ext.gate_twell(x, wg, TILE, COMP)
-    return ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP)
+    packed, spill = ext.gate_twell(x, wg, TILE, COMP, **gate_kw(x.shape[0]))
+    return ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP, **FFN_KW)
 
 
 class Pipeline:
@@ -60,7 +68,7 @@ class Pipeline:
         for i in range(n):
             lo, hi = bounds[i], bounds[i + 1]
             with torch.cuda.stream(self.sa):  # the first gate runs alone: all SMs
-                packed, spill = ext.gate_twell(x[lo:hi], wg, TILE, COMP, self.g_sms if i else 0)
+                packed, spill = ext.gate_twell(x[lo:hi], wg, TILE, COMP, self.g_sms if i else 0, **gate_kw(x[lo:hi].shape[0]))
                 ev = torch.cuda.Event()
                 ev.record(self.sa)
             with torch.cuda.stream(self.sb):  # the last fused chunk runs alone: all SMs
@@ -68,7 +76,7 @@ class Pipeline:
                 packed.record_stream(self.sb)
                 spill.record_stream(self.sb)
                 ext.ffn_forward(x[lo:hi], packed, spill, wg, wu, wdt, TILE, COMP,
-                                self.f_sms if i < n - 1 else 0, out[lo:hi])
+                                self.f_sms if i < n - 1 else 0, out[lo:hi], **FFN_KW)
             keep.append((packed, spill))
         cur.wait_stream(self.sa)
         cur.wait_stream(self.sb)
@@ -83,11 +91,11 @@ def scaling(M):
     print("case,kernel,sms,median_ms,rate")
     for nnz, tail in CASES:
         x, wg, wu, wd, wdt = inputs(M, nnz, tail)
-        packed, spill = ext.gate_twell(x, wg, TILE, COMP)
+        packed, spill = ext.gate_twell(x, wg, TILE, COMP, **gate_kw(x.shape[0]))
         fns = {}
         for c in caps:
-            fns[("gate", c)] = lambda c=c: ext.gate_twell(x, wg, TILE, COMP, c)
-            fns[("ffn", c)] = lambda c=c: ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP, c)
+            fns[("gate", c)] = lambda c=c: ext.gate_twell(x, wg, TILE, COMP, c, **gate_kw(x.shape[0]))
+            fns[("ffn", c)] = lambda c=c: ext.ffn_forward(x, packed, spill, wg, wu, wdt, TILE, COMP, c, **FFN_KW)
         t = time_alternating(fns, "cuda", reps=20)
         for (k, c), v in t.items():
             full = t[(k, caps[0])].median_ms

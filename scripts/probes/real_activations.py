@@ -9,7 +9,7 @@ For each SparseFFN layer, on batch x seq validation tokens in sequence order:
 - BENCHMARK.md timing on these inputs: dense PyTorch FFN, the gate GEMM alone (cuBLAS), the TwELL
   gate kernel, the fused kernel, the whole sparse FFN; relative error against an fp32 FFN. Where
   D % 512 == 0, also the fused kernel with the block-union path (csrc/twell_union.cu) always on and at
-  TWELL_UNION_RATIO 0.5 / 0.35, and how many blocks each setting sends there.
+  union=(0.5, 0) / (0.35, 0), and how many blocks each setting sends there.
 Usage (on the H100): PYTHONPATH=src python scripts/probes/real_activations.py CKPT_DIR VAL_BIN OUT_JSON [batch] [seq]
 """
 import json
@@ -36,12 +36,12 @@ def timing(x, wg, wu, wd) -> dict:
     dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
     gate = kernels.twell_gate(x, wg)
 
-    def sparse():
-        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt)
+    def sparse(union=None):
+        return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt, union=union)
 
-    ratio = with_ratio  # the block-union path at TWELL_UNION_RATIO = r (0: off)
+    ratio = with_ratio  # the block-union path at union=(r, 0) (r = 0: off)
 
-    fused = lambda: kernels.twell_gated_ffn(x, gate, wu, wdt)  # noqa: E731
+    fused = lambda union=None: kernels.twell_gated_ffn(x, gate, wu, wdt, union=union)  # noqa: E731
     fns = {"dense": dense, "sparse": ratio(0, sparse), "cublas_gate": lambda: F.linear(x, wg),
            "twell_gate": lambda: kernels.twell_gate(x, wg), "fused": ratio(0, fused)}
     union = x.shape[1] % 512 == 0

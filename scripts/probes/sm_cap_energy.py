@@ -11,6 +11,14 @@ from twell import reference
 from twell.bench.energy import EnergyMeter
 from twell.bench.timing import time_alternating
 from twell.kernels.build import load
+from twell.kernels.ops import spill_capacity
+
+# the extension's settings, as the ops pass them: the default gate cluster, no union rule, the default dense cap
+FFN_KW = dict(union_ratio=0.0, union_base=0.0, dense_cap=None)
+
+
+def gate_kw(M):
+    return dict(spill_cap=spill_capacity(M), cluster=2)
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION as C
 
 from probe_cases import benchmark_inputs
@@ -21,16 +29,16 @@ meter = EnergyMeter("cuda")
 print("case,dense_ms," + ",".join(f"cap{c}_ms,cap{c}_x,cap{c}_J,cap{c}_fused_ms" for c in caps))
 for nnz, tail, inp, wdt in benchmark_inputs(names=("nnz8", "nnz29")):
     x, wg, wu = inp.x, inp.w_gate, inp.w_up
-    packed, spill = ext.gate_twell(x, wg, 256, C)
+    packed, spill = ext.gate_twell(x, wg, 256, C, **gate_kw(x.shape[0]))
 
     def call(cap):
         def f():
-            p, s = ext.gate_twell(x, wg, 256, C)
-            return ext.ffn_forward(x, p, s, wg, wu, wdt, 256, C, cap)
+            p, s = ext.gate_twell(x, wg, 256, C, **gate_kw(x.shape[0]))
+            return ext.ffn_forward(x, p, s, wg, wu, wdt, 256, C, cap, **FFN_KW)
         return f
 
     def fused(cap):
-        return lambda: ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, C, cap)
+        return lambda: ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, C, cap, **FFN_KW)
 
     fns = {"dense": lambda: reference.dense_gated_ffn(x, wg, wu, inp.w_down)}
     fns.update({f"c{c}": call(c) for c in caps})

@@ -1,11 +1,11 @@
 """The fused up/down kernel with the block-union path off, at its default rule and always on
-(csrc/twell_union.cu; TWELL_UNION_RATIO), on the calibrated generator and on generator inputs where a
+(csrc/twell_union.cu; the ops' union=(ratio, base)), on the calibrated generator and on generator inputs where a
 share of the neurons never fires (as in trained models: `small` has 84% / 55% dead neurons in its two
 layers). Timing protocol of the bench (alternating calls, CUDA events, L2 flushed, median of 30).
 
 Prints CSV: case, measured nnz, union blocks at each setting, mean |U|, fused-kernel times per setting,
 whole-FFN times (kernels.sparse_gated_ffn) per setting, the relative difference of each fused output
-from the per-row kernel's. A setting is a ratio, or ratio:base (TWELL_UNION_RATIO, TWELL_UNION_BASE).
+from the per-row kernel's. A setting is a ratio, or ratio:base (union=(ratio, base); base 0 if left out).
 Usage (on the H100): PYTHONPATH=src python scripts/probes/union_ratio.py [M] [settings...]
 """
 import sys
@@ -15,18 +15,15 @@ import torch
 from twell import kernels
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
-from twell.paths import environ_set
 
 CASES = [(8, 0.1, 0.0), (29, 0.1, 0.0), (64, 0.1, 0.0), (29, 0.35, 0.0), (6, 0.1, 0.84), (44, 0.1, 0.55),
          (29, 0.1, 0.5)]
 
 
 def with_rule(ratio, base, fn):
-    """fn run with TWELL_UNION_RATIO = ratio and TWELL_UNION_BASE = base (read by the extension on
-    every call; ratio 0: path off)."""
+    """A call of fn(union=(ratio, base)): fn passes it on to the op (ratio 0: path off)."""
     def call():
-        with environ_set({"TWELL_UNION_RATIO": str(ratio), "TWELL_UNION_BASE": str(base)}):
-            return fn()
+        return fn(union=(ratio, base))
     return call
 
 
@@ -79,9 +76,9 @@ def main(M=65536, settings=((0.0, 0.0), (0.5, 0.0), (0.75, 0.0), (1.0, 0.0), (1e
         gate = kernels.twell_gate(x, wg)
         plans = [kernels.union_plan(x, gate, wu, wdt, ratio=r, base=b) for r, b in settings]
         sizes = plans[-1]["union_sizes"].float()
-        fns = {f"fused@{s}": with_rule(r, b, lambda: kernels.twell_gated_ffn(x, gate, wu, wdt))
+        fns = {f"fused@{s}": with_rule(r, b, lambda union: kernels.twell_gated_ffn(x, gate, wu, wdt, union=union))
                for s, (r, b) in zip(labels, settings)}
-        fns.update({f"ffn@{s}": with_rule(r, b, lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt))
+        fns.update({f"ffn@{s}": with_rule(r, b, lambda union: kernels.sparse_gated_ffn(x, wg, wu, wdt, union=union))
                     for s, (r, b) in zip(labels, settings)})
         t = time_alternating(fns, "cuda", reps=30)
         outs = [fns[f"fused@{s}"]().float() for s in labels]

@@ -42,6 +42,11 @@ import torch.nn.functional as F
 from twell.formats.checks import check_tensor, check_tiling, leading_nonzeros
 
 MAX_COLUMNS = 1 << 16  # the column index has 16 bits
+# The paper's compression C: the default of this packer and of a TwELL built by hand, the layout above
+# (S = 32 words per 256-column tile). The ops (twell_gate, sparse_gated_ffn) default to 16 instead,
+# which their spill area makes free; this packer has none, so the published 8 keeps more rows out of
+# the dense backup (twell.reference.ffn.SPARSE_FFN_COMPRESSION; docs/kernels.md §6).
+PUBLISHED_COMPRESSION = 8
 
 
 def columns_limit(H: int) -> str:
@@ -70,7 +75,7 @@ class TwELL:
     overflow_dense_: Optional[torch.Tensor]  # bf16 [R, H] (None: recompute from source)
     n_cols: int
     tile: int = 256
-    compression: int = 8
+    compression: int = PUBLISHED_COMPRESSION
     n_overflow_tiles_: Optional[int] = None
     source: Optional[tuple] = None  # (x [M, D], w [H, D]) with h = relu(x @ w.T)
     spill: Optional[torch.Tensor] = None  # uint32 [cap + 1] spill area of the gate kernel
@@ -251,7 +256,7 @@ class TwELL:
             raise ValueError("TwELL tile row with a repeated column")
 
 
-def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
+def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = PUBLISHED_COMPRESSION) -> TwELL:
     """Pack a post-ReLU activation ``h`` (bf16 [M, H], any device) into TwELL.
 
     Any nonzero (NaN and Inf included) is stored; rows whose tile overflows go to the dense backup.
@@ -294,7 +299,7 @@ def unpack_twell(t: TwELL) -> torch.Tensor:
     return t.unpack()
 
 
-def twell_nbytes(M: int, H: int, tile: int = 256, compression: int = 8) -> int:
+def twell_nbytes(M: int, H: int, tile: int = 256, compression: int = PUBLISHED_COMPRESSION) -> int:
     """Bytes of the packed matrix alone (no overflow rows) for an [M, H] activation."""
     slots = check_tiling(tile, compression)
     return M * (-(-H // tile)) * slots * 4

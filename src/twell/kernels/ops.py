@@ -3,12 +3,17 @@
 Three custom ops carry the work (fake implementations registered, so ``torch.compile`` and CUDA
 graphs can trace them without running them):
 
-- ``twell::gate(x, w_gate, tile, compression) -> (packed, spill)`` : TwELL words from the gate GEMM
-  epilogue, and its spill area (entries of tile rows that overflowed their slots)
-- ``twell::ffn(x, packed, spill?, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
-  fused up/down (a negative union_ratio / union_base: the TWELL_UNION_* setting)
-- ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base) -> out`` :
-  both in one call, the fused kernel overlapping the gate kernel's tail
+- ``twell::gate(x, w_gate, tile, compression, gate_cluster) -> (packed, spill)`` : TwELL words from the
+  gate GEMM epilogue, and its spill area (entries of tile rows that overflowed their slots)
+- ``twell::ffn(x, packed, spill?, w_act?, w_up?, w_down_t, tile, compression, union_ratio, union_base,
+  dense_cap?) -> out`` : fused up/down
+- ``twell::sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base, dense_cap?,
+  gate_cluster) -> out`` : both in one call, the fused kernel overlapping the gate kernel's tail
+
+Every setting is an argument (block-union rule, dense-path capacity, gate cluster size), defaulting
+to the constants of ``twell.reference.ffn``; nothing is read from the environment. The spill area's
+size comes from :func:`spill_capacity` alone: the ops pass it to the extension, which allocates what
+it is given, and the fake implementations size their outputs with it.
 
 The public functions validate inputs with readable errors (shared with the reference), then call
 the ops. A TwELL from :func:`twell_gate` carries the gate kernel's spill area (the entries of tile rows that
@@ -29,7 +34,10 @@ from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
 from twell.kernels.build import available, load
 from twell.reference.decode import check_decode_args
-from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_ffn_args, check_gate_args, check_union_rule
+from twell.reference.ffn import (
+    DENSE_CAP, GATE_CLUSTER, SPARSE_FFN_COMPRESSION, UNION_OFF, UNION_RULE, check_dense_cap, check_ffn_args,
+    check_gate_args, check_gate_cluster, check_union_rule,
+)
 
 
 # The kernels' shape limits, once: the ops raise them, layer_unsupported reports them.
@@ -77,18 +85,34 @@ def check_aligned(**tensors: Optional[Tensor]) -> None:
 
 
 def spill_capacity(M: int) -> int:
-    """Words of the gate kernel's spill area (same rule as csrc/bindings.cpp)."""
-    return max(1 << 20, M * 64)
+    """Words of the gate kernel's spill area for M rows: room for about 1% of rows fully dense (past it,
+    tiles keep their true counts and the fused kernel recomputes them exactly). The one formula: the
+    ops pass it to the extension (``spill_cap``), and the gate op's fake output has this size plus one
+    word (the words-used counter). M may be a SymInt while tracing."""
+    return torch.sym_max(1 << 20, M * 64)
+
+
+def sparse_ffn_spill_words(M: int) -> int:
+    """Words of the one op's internal spill block for M rows: the spill area, its counter and the gate
+    kernel's ready counters (what tests poison before a call). Builds the extension."""
+    return int(load().sparse_ffn_spill_words(int(M), int(spill_capacity(int(M)))))
+
+
+def dense_capacity(M: int, dense_cap: Optional[int] = DENSE_CAP) -> int:
+    """Rows per round that the dense path for heavy rows takes for M rows under ``dense_cap`` (``None``:
+    its rule; the rule lives in the extension, csrc/bindings_dense.cpp). Builds the extension."""
+    return int(load().dense_cap(int(M), check_dense_cap(dense_cap)))
 
 
 @torch.library.custom_op("twell::gate", mutates_args=())
-def _gate_op(x: Tensor, w_gate: Tensor, tile: int, compression: int) -> tuple[Tensor, Tensor]:
-    packed, spill = load().gate_twell(x, w_gate, tile, compression)
+def _gate_op(x: Tensor, w_gate: Tensor, tile: int, compression: int, gate_cluster: int) -> tuple[Tensor, Tensor]:
+    packed, spill = load().gate_twell(x, w_gate, tile, compression, spill_cap=spill_capacity(x.shape[0]),
+                                      cluster=gate_cluster)
     return packed, spill
 
 
 @_gate_op.register_fake
-def _(x, w_gate, tile, compression):
+def _(x, w_gate, tile, compression, gate_cluster):
     n_tiles = -(-w_gate.shape[0] // tile)
     packed = x.new_empty((x.shape[0], n_tiles * (tile // compression)), dtype=torch.uint32)
     return packed, x.new_empty((spill_capacity(x.shape[0]) + 1,), dtype=torch.uint32)
@@ -96,24 +120,27 @@ def _(x, w_gate, tile, compression):
 
 @torch.library.custom_op("twell::ffn", mutates_args=())
 def _ffn_op(x: Tensor, packed: Tensor, spill: Optional[Tensor], w_act: Optional[Tensor], w_up: Optional[Tensor],
-            w_down_t: Tensor, tile: int, compression: int, union_ratio: float, union_base: float) -> Tensor:
-    return load().ffn_forward(x, packed, spill, w_act, w_up, w_down_t, tile, compression, 0, None, union_ratio,
-                              union_base)
+            w_down_t: Tensor, tile: int, compression: int, union_ratio: float, union_base: float,
+            dense_cap: Optional[int]) -> Tensor:
+    return load().ffn_forward(x, packed, spill, w_act, w_up, w_down_t, tile, compression, 0, None,
+                              union_ratio=union_ratio, union_base=union_base, dense_cap=dense_cap)
 
 
 @_ffn_op.register_fake
-def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression, union_ratio, union_base):
+def _(x, packed, spill, w_act, w_up, w_down_t, tile, compression, union_ratio, union_base, dense_cap):
     return x.new_empty((packed.shape[0], w_down_t.shape[1]))
 
 
 @torch.library.custom_op("twell::sparse_ffn", mutates_args=())
 def _sparse_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int, compression: int,
-                   union_ratio: float, union_base: float) -> Tensor:
-    return load().sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base)
+                   union_ratio: float, union_base: float, dense_cap: Optional[int], gate_cluster: int) -> Tensor:
+    return load().sparse_ffn(x, w_gate, w_up, w_down_t, tile, compression, union_ratio=union_ratio,
+                             union_base=union_base, dense_cap=dense_cap, spill_cap=spill_capacity(x.shape[0]),
+                             cluster=gate_cluster)
 
 
 @_sparse_ffn_op.register_fake
-def _(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base):
+def _(x, w_gate, w_up, w_down_t, tile, compression, union_ratio, union_base, dense_cap, gate_cluster):
     return x.new_empty(x.shape)
 
 
@@ -124,7 +151,7 @@ def _gate_kernel_checks(x: Tensor, w_gate: Tensor, tile: int, compression: int) 
     check_aligned(x=x, w_gate=w_gate)
 
 
-def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = 8) -> str:
+def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION) -> str:
     """Why the kernels cannot run a layer of width D with H hidden units at this tiling (the limits
     the ops check), or ``""`` when they can. Builds nothing."""
     try:
@@ -141,27 +168,34 @@ def _fused_kernel_checks(x: Tensor) -> None:
     _raise_if(_fused_limit(x.shape[1]))
 
 
-def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = 8) -> TwELL:
-    """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D])."""
+def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION,
+               *, gate_cluster: int = GATE_CLUSTER) -> TwELL:
+    """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D]).
+
+    ``gate_cluster``: CTAs per cluster of the gate kernel, 2 (``GATE_CLUSTER``: each pair shares the
+    W_gate tiles by TMA multicast) or 1 (the single-CTA variant, kept for comparison)."""
     _gate_kernel_checks(x, w_gate, tile, compression)
-    packed, spill = _gate_op(x, w_gate, tile, compression)
+    check_gate_cluster(gate_cluster)
+    packed, spill = _gate_op(x, w_gate, tile, compression, gate_cluster)
     return TwELL(packed, None, None, w_gate.shape[0], tile, compression, source=(x, w_gate), spill=spill)
 
 
 def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
-         union: Optional[tuple[float, float]] = None) -> Tensor:
+         union: Optional[tuple[float, float]], dense_cap: Optional[int]) -> Tensor:
     _fused_kernel_checks(x)
     for name, t in (("the TwELL's words", gate.packed), ("the TwELL's spill area", gate.spill)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} are on {t.device}, x on {x.device}")
     check_aligned(x=x, w_up=w_up, w_down_t=w_down_t, packed=gate.packed, spill=gate.spill)
-    ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
+    ratio, base = check_union_rule(union) or UNION_OFF
+    check_dense_cap(dense_cap)
     # w_act lets the kernel recompute gate values from x (the dense path for heavy rows, tiles the
     # spill area could not hold): only right when x is the tensor the TwELL was made from. With any
     # other x the kernel gets no w_act, and rows it cannot finish are completed below from the
     # TwELL's own source.
     w_act = gate.source[1] if gate.source is not None and gate.source[0] is x else None
-    out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression, ratio, base)
+    out = _ffn_op(x, gate.packed, gate.spill, w_act, w_up, w_down_t, gate.tile, gate.compression, ratio, base,
+                  dense_cap)
     if w_act is None and gate.n_overflow_rows:
         rows, h = gate.overflow_rows, gate.overflow_dense.float()
         if w_up is not None:
@@ -171,18 +205,21 @@ def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
 
 
 def twell_gated_ffn(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor,
-                    union: Optional[tuple[float, float]] = None) -> Tensor:
+                    union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP) -> Tensor:
     """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``, exact on overflow.
 
     ``union``: ``(ratio, base)`` of the block-union rule for this call (``twell.reference.ffn.
-    check_union_rule``; ``(0, 0)``: per-row kernel only), else ``None``: TWELL_UNION_RATIO and
-    TWELL_UNION_BASE (default: off)."""
+    check_union_rule``), or ``None``: off (``UNION_OFF``, the per-row kernel only). ``dense_cap``: rows
+    per round of the dense path for heavy rows, or ``None`` (``DENSE_CAP``): its rule, M / 8 rows, at
+    least 4096, at most M (``twell.reference.ffn.check_dense_cap``; the path needs a TwELL from
+    :func:`twell_gate` of this x)."""
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
-    return _ffn(x, gate, w_up, w_down_t, union)
+    return _ffn(x, gate, w_up, w_down_t, union, dense_cap)
 
 
-def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
-    """Non-gated FFN, bf16 [M, D]: ``act @ w_down_t`` (act = twell_gate(x, w_up))."""
+def twell_ffn(act: TwELL, w_down_t: Tensor, *, dense_cap: Optional[int] = DENSE_CAP) -> Tensor:
+    """Non-gated FFN, bf16 [M, D]: ``act @ w_down_t`` (act = twell_gate(x, w_up)); ``dense_cap`` as in
+    :func:`twell_gated_ffn`."""
     if not isinstance(act, TwELL):
         raise TypeError(f"act: expected a twell.formats.TwELL, got {type(act).__name__}")
     check_tensor("w_down_t", w_down_t, dtype=torch.bfloat16, shape=(act.n_cols, "D"), device=act.device,
@@ -194,21 +231,23 @@ def twell_ffn(act: TwELL, w_down_t: Tensor) -> Tensor:
                              f"[H, {x.shape[1]}] (D of the x the TwELL was made from), got {list(w_down_t.shape)}")
     else:  # no x needed by the kernel in this case; pass a correctly shaped placeholder
         x = torch.empty(act.n_rows, w_down_t.shape[1], dtype=torch.bfloat16, device=act.device)
-    return _ffn(x, act, None, w_down_t)
+    return _ffn(x, act, None, w_down_t, None, dense_cap)
 
 
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
                      compression: int = SPARSE_FFN_COMPRESSION,
-                     union: Optional[tuple[float, float]] = None) -> Tensor:
+                     union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP,
+                     gate_cluster: int = GATE_CLUSTER) -> Tensor:
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
     last wave leaves idle and waits for each row's words (docs/kernels.md §6). Same result, bit for
-    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``, at any compression while the
-    spill area holds the fuller tiles (entries are summed in column order either way; past it, tiles
-    are recomputed and agree to rounding). ``union`` is the block-union rule as in
-    :func:`twell_gated_ffn` (``None``: TWELL_UNION_*); with the rule on, the kernels run in turn (its
-    plan reads the whole TwELL first), so there is no overlap. The TwELL stays inside, and so does
+    bit, as ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)`` with the same settings (every
+    default included), at any compression while the spill area holds the fuller tiles (entries are
+    summed in column order either way; past it, tiles are recomputed and agree to rounding).
+    ``union`` and ``dense_cap`` as in :func:`twell_gated_ffn`, ``gate_cluster`` as in
+    :func:`twell_gate`; with the union rule on, the kernels run in turn (its plan reads the whole
+    TwELL first), so there is no overlap. The TwELL stays inside, and so does
     its overflow count: the two-op path gives it (``twell_gate(x, w_gate).n_overflow_rows``), as
     does a ``SparseFFN`` with ``keep_gate=True`` (``last_gate.n_overflow_rows``).
     """
@@ -217,8 +256,10 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
         check_tensor(name, w, dtype=torch.bfloat16, shape=tuple(w_gate.shape), device=x.device, contiguous=True)
     check_aligned(w_up=w_up, w_down_t=w_down_t)
-    ratio, base = check_union_rule(union) or (-1.0, -1.0)  # negative: the TWELL_UNION_* setting
-    return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression, ratio, base)
+    ratio, base = check_union_rule(union) or UNION_OFF
+    check_dense_cap(dense_cap)
+    check_gate_cluster(gate_cluster)
+    return _sparse_ffn_op(x, w_gate, w_up, w_down_t, tile, compression, ratio, base, dense_cap, gate_cluster)
 
 
 @torch.library.custom_op("twell::decode_ffn", mutates_args=())
@@ -268,14 +309,15 @@ def union_unsupported(D: int, H: int) -> str:
     return load().union_unsupported(int(D), int(H))
 
 
-def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Optional[float] = None,
-               base: Optional[float] = None) -> dict:
-    """Which rows the fused kernel would give to the block-union path (csrc/twell_union.cu).
+def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: float = UNION_RULE[0],
+               base: float = UNION_RULE[1]) -> dict:
+    """Which rows the fused kernel would give to the block-union path (csrc/twell_union.cu) under the
+    rule ``union=(ratio, base)``.
 
     A block of 64 rows takes it when its union U of active neurons satisfies
     ``|U| <= ratio * (entries - base)``, counting the rows the path can take (at most 128 entries,
-    no unresolved overflow). Defaults: ``$TWELL_UNION_RATIO`` (else 0: the path is off unless asked
-    for) and ``$TWELL_UNION_BASE`` (else 0: the plain ratio rule). Returns ``union_blocks``,
+    no unresolved overflow). Default: the fitted rule ``UNION_RULE`` (the ops' own default is the
+    path off, under which no block takes it); ratio 0: no block. Returns ``union_blocks``,
     ``union_block_ids`` (ascending) and ``union_sizes`` (|U| of each; CPU int64 tensors), and
     ``per_row_rows`` (rows left to the per-row kernel). Synchronises the device: a diagnostic, not
     part of the timed path.
@@ -283,10 +325,6 @@ def union_plan(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor, ratio: Op
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
     _kernel_checks(x)
     check_aligned(x=x, w_up=w_up, w_down_t=w_down_t, packed=gate.packed, spill=gate.spill)
-    if ratio is None:
-        ratio = load().union_ratio()
-    if base is None:
-        base = load().union_base()
     ratio, base = check_union_rule((ratio, base))
     n_light, sizes, blocks = load().ffn_plan(x, gate.packed, gate.spill, w_up, w_down_t, gate.tile,
                                              gate.compression, float(ratio), float(base))
