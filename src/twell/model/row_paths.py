@@ -8,12 +8,14 @@ layer receives and sets both per layer, so that "auto" runs sparse only where it
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from twell.model.llama import capture_ffn_inputs, sparse_ffns
+from twell.nn import routing
 from twell.reference.decode import DECODE_MAX_ROWS
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -47,7 +49,7 @@ def row_rule(wins: dict[int, bool], decode_max: int = DECODE_MAX_ROWS) -> tuple[
 def _graph_timer(reps: int) -> Callable[[dict[str, Callable[[], object]], torch.device], dict[str, float]]:
     """Median ms of each function replayed from a CUDA graph (launch overhead out, as when decoding runs
     under graphs), alternating, L2 overwritten before each call (shared/BENCHMARK.md)."""
-    from twell.bench.timing import graphed, time_alternating
+    from twell.timing import graphed, time_alternating
 
     def timer(fns, device):
         replays = {name: graphed(fn, device)[0] for name, fn in fns.items()}
@@ -108,19 +110,18 @@ def choose_row_paths(model: nn.Module, *args: Any, rows: Sequence[int] = ROW_GRI
         settings.append((f, row["decode_rows"], row["dense_rows"]))
     for f, decode_rows, dense_rows in settings:  # every layer measured before any is changed
         f.decode_rows, f.dense_rows = decode_rows, dense_rows
+        f.auto_ceilings = ()  # the timings decide by rows in place of the default activity ceilings
     return report
 
 
 def _calls(f, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """The layer's dense path and its sparse op on x (as ``_sparse`` runs it with the decoding op allowed up to
     its limit)."""
+    state = dataclasses.replace(f.layer_state(), decode_rows=DECODE_MAX_ROWS, keep_gate=False)
+    route = routing.sparse_route(state, x.shape[0], "kernel" if x.is_cuda else "reference", "timed by choose_row_paths")
+
     def sparse():
-        keep = f.decode_rows
-        f.decode_rows = DECODE_MAX_ROWS
-        try:
-            return f._sparse(x, use_kernel=x.is_cuda)
-        finally:
-            f.decode_rows = keep
+        return f._sparse(x, route)
 
     return {"dense": lambda: f.down_proj(f.hidden(x)[1]), "sparse": sparse}
 
@@ -137,7 +138,7 @@ def _not_timed(f, x: Optional[torch.Tensor]) -> Optional[str]:
         return None  # CPU: the reference stands in for the kernels (a test of the choice, not a timing)
     if route != "kernel":
         return f"path 'auto' runs {route} on these inputs ({why})"
-    if f._auto_dense:
+    if f.layer_state().auto_dense:
         n = f.decode_max_rows()
         return ("the layer runs dense by its activity threshold ("
                 + (f"the decoding op on up to {n} rows: SparseFFN.decode_max_rows)" if n else "at every row count)"))

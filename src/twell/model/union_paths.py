@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from twell.model.llama import capture_ffn_inputs, sparse_ffns
+from twell.nn import routing
 from twell.reference.ffn import UNION_BLOCK, UNION_RULE, check_union_rule
 
 
@@ -32,7 +33,7 @@ def choose_union_paths(model: nn.Module, *args: Any, rule: tuple[float, float] =
     inputs it saw and (with ``timed``) the layer's sparse FFN (the one op it runs) is at least
     ``min_gain`` faster with the rule than without on those inputs (median of ``reps`` alternating
     calls, 30 as in the benchmark); else
-    ``union = (0, 0)`` (per-row kernel only; overrides TWELL_UNION_*). The margin is there because a
+    ``union = (0, 0)`` (per-row kernel only). The margin is there because a
     calibration timing moves by 1-2% on layers of a millisecond or more: a near tie gains nothing and
     the union path holds more memory. (The whole op is timed, not the fused op alone: it also counts
     the gate kernel's last wave, which the union path cannot overlap: its plan reads the whole TwELL
@@ -153,7 +154,7 @@ def _median_ms(f, x: torch.Tensor, calls: dict[str, Optional[tuple[float, float]
     untracked), a ``(ratio, base)`` its sparse FFN as the layer runs it (the one op) with that union
     setting. Alternating calls, L2 flushed before each, as the benchmark times them."""
     from twell import kernels
-    from twell.bench.timing import time_alternating
+    from twell.timing import time_alternating
 
     wg, wu, wdt = f.gate_proj.weight, f.up_proj.weight, f.w_down_t()
 
@@ -187,7 +188,8 @@ def _not_on_kernels(f, seen_x: torch.Tensor) -> Optional[str]:
         return None if route == "kernel" else f"path 'auto' runs {route} on these inputs ({why})"
     if f.path != "kernel" or f.track:
         return f"the layer does not run the kernels (path {f.path!r}{', tracking' if f.track else ''})"
-    return f._no_sparse(seen_x) or None
+    state = f.layer_state()
+    return state.no_sparse_why or routing.dtype_why(state, seen_x) or None
 
 
 def _unsupported(f, x: torch.Tensor) -> Optional[str]:
