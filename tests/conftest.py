@@ -1,8 +1,39 @@
-"""Shared pytest set-up: the `gpu` marker skips without CUDA and is counted in the summary."""
+"""Shared pytest set-up: the `gpu` marker skips without CUDA and is counted in the summary; the
+`seed` fixture seeds torch, random and numpy afresh per test and names the seed when the test fails."""
+import os
+import random
+
+import numpy as np
 import pytest
 import torch
 
 _HAS_CUDA = torch.cuda.is_available()
+
+SEED_ENV = "TWELL_TEST_SEED"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (or ``$TWELL_TEST_SEED`` to replay one), applied to torch, random and numpy.
+
+    Random inputs find more than fixed ones, but only a failure that can be replayed is worth finding:
+    the seed goes into the test's user properties and from there into its failure report."""
+    fixed = os.environ.get(SEED_ENV, "").strip()
+    value = int(fixed) if fixed else random.SystemRandom().randrange(2**31)
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # CUDA generators too
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("random seed", f"seed={seeds[0]}: re-run with {SEED_ENV}={seeds[0]}"))
+    return report
 
 
 @pytest.fixture(scope="module")

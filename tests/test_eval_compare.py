@@ -13,6 +13,8 @@ from twell.eval.compare import compare_paths
 from twell.eval.fixtures import build_fixture_model, write_fixture_task_data
 from twell.eval.loading import sparse_ffn_modules
 
+pytestmark = pytest.mark.usefixtures("seed")  # random models, requests and data: a failure names its seed
+
 
 class GatherFFN(nn.Module):
     """Same function as a ReLU-gated Llama MLP, computed over the active neurons only (index_add).
@@ -49,18 +51,21 @@ def _switch(model, drop_every=0):
 
 def _pairs(n):
     words = "river stone lamp garden window ocean pencil forest bridge candle".split()
-    rng = random.Random()
+    rng = random  # seeded per test by the seed fixture
     return [(f"Question: {' '.join(rng.choices(words, k=rng.randint(1, 9)))}\nAnswer:",
              " " + " ".join(rng.choices(words, k=rng.randint(1, 5)))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def fixture_dir(tmp_path_factory):
-    # 20 documents per task (~200 requests): the auto rule compares two maxima over the requests, and
-    # for two paths as accurate as each other that ratio is noisy on few requests. On CPU, over 40 seed
-    # pairs, the reference path's max error / plain bf16's had s.d. 0.33 with 5 documents (ratio 2.13 for
-    # data seed 1, model seed 9: a failure) and 0.22 with 20 (largest 1.66); its rms ratio averaged 0.96.
-    return write_fixture_task_data(tmp_path_factory.mktemp("eval_fixture_data"), n_docs=20, seed=random.randint(0, 99))
+@pytest.fixture
+def fixture_dir(tmp_path, seed):
+    # 20 documents per task (~200 requests): the auto rule compares two maxima over the requests (the
+    # reference path's largest error against fp32, plain bf16's), both bf16 rounding noise of one size
+    # (the reference rounds less inside the FFN, attention rounds alike), so their ratio scatters around
+    # 1 with a spread that shrinks as requests grow. With 5 documents, data seed 1 and model seed 9 gave
+    # 2.13 (one long HellaSwag ending; rms errors 0.0032 against 0.0024): noise, not a wrong path. With
+    # 20 the same pair gives 1.25; over 40 pairs the ratio's s.d. was 0.33 with 5 documents and 0.22
+    # with 20 (largest 1.66).
+    return write_fixture_task_data(tmp_path / "eval_fixture_data", n_docs=20, seed=seed % 100)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

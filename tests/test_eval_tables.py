@@ -32,8 +32,8 @@ def _run(name, rng, skip=(), fixture=False):
 
 
 @pytest.fixture
-def runs():
-    rng = random.Random()
+def runs(seed):
+    rng = random.Random(seed)
     dense, sparse = _run("dense", rng, skip=("piqa",)), _run("sparse", rng, skip=("piqa", "openbookqa"))
     for task in dense.tasks:  # the same documents in both runs
         sparse.tasks[task].n = dense.tasks[task].n
@@ -98,8 +98,8 @@ def test_unknown_run_name(runs):
         comparison_table(runs, other="l1")
 
 
-def test_paired_standard_error_from_logged_samples(runs):
-    rng = random.Random()
+def test_paired_standard_error_from_logged_samples(runs, seed):
+    rng = random.Random(seed + 1)  # not the stream that made the runs
     n = rng.randint(5, 40)
     b = [float(rng.random() < 0.5) for _ in range(n)]
     o = [float(rng.random() < 0.5) for _ in range(n)]
@@ -115,8 +115,8 @@ def test_paired_standard_error_from_logged_samples(runs):
     assert "paired se" in to_markdown(table, runs)
 
 
-def test_all_tasks_skipped_still_writes_files(tmp_path):
-    rng = random.Random()
+def test_all_tasks_skipped_still_writes_files(tmp_path, seed):
+    rng = random.Random(seed)
     every = (*NORM_TASKS, "winogrande", "commonsense_qa")
     runs = {"dense": _run("dense", rng, skip=every), "sparse": _run("sparse", rng, skip=every)}
     out = write_comparison(runs, stem="none", reports_root=tmp_path)

@@ -7,11 +7,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
 from twell.paths import repo_root
 from twell.reports import real_layers as rl
+from twell.reports import save_table
 
 
 def _case(layer: int, nnz: float, speedups: dict[str, float], ok: bool = True, M: int = 65536) -> dict:
@@ -148,14 +150,25 @@ def test_plot_marks_layers_bars_generator_and_wrong_results(bench_dir):
         rl.plot_real_layers(t, impls=("no-such-impl",))
 
 
-def test_committed_runs_hold_real_layers_at_every_bar_range():
-    """The committed H100 runs (reports/bench) cover nnz below 8 and above 64, all correct."""
+def _committed_table(name: str):
+    path = repo_root() / "reports" / "tables" / f"{name}.csv"
+    assert path.is_file(), f"{path} is not committed"
+    return pd.read_csv(path)
+
+
+def test_committed_real_layer_tables_are_what_the_committed_runs_give(tmp_path):
+    """reports/tables/01_real_layers{,_bars}.csv, the tables of record of the real layers, are what notebook
+    01 makes of the committed runs in reports/bench: they cover nnz below 8 and above 64, all correct."""
     t = rl.real_layer_table([repo_root() / "reports" / "bench"])
-    if t.empty:
-        pytest.skip("no committed benchmark runs with real layers")
+    assert not t.empty, "no committed benchmark run with real layers in reports/bench"
     assert (t["correct"] == "yes").all()
     assert t["nnz mean"].min() < 8 and t["nnz mean"].max() > 64
     assert t["speedup"].notna().all()
+    brackets = pd.concat([rl.bar_brackets(t, impl) for impl in ("twell-kernel", "twell-kernel-union")],
+                         ignore_index=True)
+    for name, df in (("01_real_layers", t), ("01_real_layers_bars", brackets)):
+        csv, _ = save_table(df, name, tmp_path)
+        pd.testing.assert_frame_equal(_committed_table(name), pd.read_csv(csv), check_exact=False, rtol=1e-12)
 
 
 def test_plot_shows_layers_that_failed_without_a_timing(tmp_path):

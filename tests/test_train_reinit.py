@@ -14,6 +14,7 @@ Two levels:
 
 Both also run on 2 GPUs (NCCL; the run in bf16) where there are 2, like tests/test_train_resume_gpu.py.
 """
+import json
 import sys
 
 import pytest
@@ -26,8 +27,9 @@ from test_train_dist import HANG_S, run_to_exit, tiny_cfg, torchrun_cmd, worker,
 from test_train_runs import smoke_data  # noqa: F401
 
 SHARDED_REINIT = '''\
-"""reinit_dead_gates on FSDP2 shards vs one process on the gathered state; every rank checks, rank 0 prints OK.
-On CUDA (NCCL) when there is a GPU, else on CPU (gloo)."""
+"""reinit_dead_gates on FSDP2 shards and, in one process, on the gathered state; rank 0 saves what both gave
+(weights, AdamW moments, every rank's rows and forward) to argv[2] for the test to compare.
+On CUDA (NCCL) when asked, else on CPU (gloo)."""
 import copy
 import os
 import sys
@@ -57,15 +59,20 @@ x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1)).to(dev)  # the
 sum(f(x).square().sum() for f in ffns).backward()
 opt.step()  # nonzero moments in every row
 
-# Each rank's rows: consecutive torch.chunk pieces covering the width (the last rank of width 4 holds none).
-for f in ffns:
+
+def rows_of(f):
     w = f.gate_proj.weight if f.gated else f.up_proj.weight
-    local, start = dim0_rows(w)
-    ranges = [None] * world
-    dist.all_gather_object(ranges, (start, local.shape[0]))
-    chunks = [len(c) for c in torch.arange(w.shape[0]).chunk(world)]
-    assert ranges == [(sum(chunks[:r]), n) for r, n in enumerate(chunks + [0] * (world - len(chunks)))], ranges
-    assert dim0_rows(opt.state[w]["exp_avg"])[1] == start
+    return w, opt.state[w]["exp_avg"]
+
+
+def everyone(value):
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+# (first row, rows) of each rank's shard of the re-drawn weight and of its moment, per layer.
+ranges = [everyone([(dim0_rows(t)[1], dim0_rows(t)[0].shape[0]) for t in rows_of(f)]) for f in ffns]
 
 # One process's view of the same state: the gathered weights and moments.
 ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -76,38 +83,63 @@ for p, q in zip(ffns.parameters(), plain.parameters()):
 dead = [torch.tensor([False, True, True, True]),  # across ranks 0 and 1
         torch.tensor([False, False, True, True, False, False, True]),  # every rank, the last one's single row
         torch.tensor([True, False, False, False, False, True, False])]  # up_proj of the non-gated FFN
-gathered = lambda f: [p.full_tensor() for p in f.parameters()]
+gathered = lambda f: {name: p.full_tensor().cpu() for name, p in f.named_parameters()}
+moments = lambda f, o: {name: {k: (o.state[p][k].full_tensor() if hasattr(o.state[p][k], "full_tensor")
+                                   else o.state[p][k]).cpu() for k in ("exp_avg", "exp_avg_sq")}
+                        for name, p in f.named_parameters()}
 before = [gathered(f) for f in ffns]
 n = reinit_dead_gates(ffns, dead, opt, std=0.02, generator=torch.Generator().manual_seed(5))
 n_ref = reinit_dead_gates(plain, dead, ref_opt, std=0.02, generator=torch.Generator().manual_seed(5))
-assert n == n_ref == 8, (n, n_ref)
-for layer, (f, g) in enumerate(zip(ffns, plain)):
-    for (name, p), q, old in zip(f.named_parameters(), g.parameters(), before[layer]):
-        assert torch.equal(p.full_tensor(), q), (layer, name)
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt.state[p][k].full_tensor(), ref_opt.state[q][k]), (layer, name, k)
-        if name == ("gate_proj.weight" if f.gated else "up_proj.weight"):
-            changed = (p.full_tensor() != old).any(1).cpu()
-            assert torch.equal(changed, dead[layer]), (layer, changed)
-            assert (opt.state[p]["exp_avg"].full_tensor()[dead[layer].to(dev)] == 0).all()
-        else:
-            assert torch.equal(p.full_tensor(), old), (layer, name)
-    assert torch.equal(f(x).detach(), g(x).detach()), layer  # FSDP2's all-gather reads the rewritten shard
-dist.barrier()
+result = {
+    "world": world, "dead": dead, "n": everyone(n), "n_ref": n_ref, "ranges": ranges, "before": before,
+    "after": [gathered(f) for f in ffns], "ref_after": [{k: v.detach().cpu() for k, v in g.named_parameters()}
+                                                        for g in plain],
+    "moments": [moments(f, opt) for f in ffns], "ref_moments": [moments(g, ref_opt) for g in plain],
+    # every rank's forward: FSDP2's all-gather must read the rewritten shards
+    "forward": everyone([f(x).detach().cpu() for f in ffns]), "ref_forward": [g(x).detach().cpu() for g in plain],
+}
 if rank == 0:
-    print("SHARDED-REINIT-OK", flush=True)
+    torch.save(result, sys.argv[2])
+dist.barrier()
 dist.destroy_process_group()
 '''
 
 
 def sharded_reinit(tmp_path, nproc, device):
-    script = tmp_path / "sharded_reinit.py"
+    script, saved = tmp_path / "sharded_reinit.py", tmp_path / "sharded_reinit.pt"
     script.write_text(SHARDED_REINIT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script),
-           device]
+           device, str(saved)]
     rc, out, secs = run_to_exit(cmd, tmp_path / "log")
     print(f"{nproc} ranks on {device}: {secs:.1f} s")
-    assert rc == 0 and "SHARDED-REINIT-OK" in out, out[-4000:]
+    assert rc == 0, out[-4000:]
+    check_sharded_reinit(torch.load(saved, weights_only=False), nproc)
+
+
+def check_sharded_reinit(r, nproc):
+    """What the script saved: the shards, counts, weights, moments and forwards of both paths agree."""
+    assert r["world"] == nproc
+    assert r["n"] == [8] * nproc and r["n_ref"] == 8
+    for layer, dead in enumerate(r["dead"]):
+        # Each rank's rows: consecutive torch.chunk pieces covering the width (the last rank of width 4 holds none).
+        chunks = [len(c) for c in torch.arange(len(dead)).chunk(nproc)]
+        chunks += [0] * (nproc - len(chunks))
+        want = [[(sum(chunks[:rank]), n)] * 2 for rank, n in enumerate(chunks)]  # the weight and its moment
+        assert r["ranges"][layer] == want, (layer, r["ranges"][layer])
+        redrawn = "gate_proj.weight" if "gate_proj.weight" in r["after"][layer] else "up_proj.weight"
+        for name, p in r["after"][layer].items():
+            old = r["before"][layer][name]
+            assert torch.equal(p, r["ref_after"][layer][name]), (layer, name)
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(r["moments"][layer][name][k], r["ref_moments"][layer][name][k]), (layer, name, k)
+            if name == redrawn:
+                assert torch.equal((p != old).any(1), dead), (layer, (p != old).any(1))
+                assert (r["moments"][layer][name]["exp_avg"][dead] == 0).all()
+                assert (r["moments"][layer][name]["exp_avg"][~dead] != 0).any(1).all()  # the others kept theirs
+            else:
+                assert torch.equal(p, old), (layer, name)
+        for rank in range(nproc):
+            assert torch.equal(r["forward"][rank][layer], r["ref_forward"][layer]), (rank, layer)
 
 
 @pytest.mark.timeout(2 * HANG_S)
@@ -188,6 +220,7 @@ def two_ranks_and_one_process(tmp_path, data, worker, **train):
     print(f"one process {s1:.1f} s, two ranks {s2:.1f} s")
     assert rc == 0, log[-4000:]
     assert "FSDP2" in read_metrics(two / "metrics.jsonl")["event"][0]["describe"]
+    assert [json.loads((d / "summary.json").read_text())["world_size"] for d in (one, two)] == [1, 2]
 
     # (a) The block is re-initialised at the first reinit step, logged once, and is alive by the next one.
     sizes = [hi - lo for lo, hi in DEAD.values()]

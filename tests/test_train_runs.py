@@ -105,13 +105,23 @@ def test_wall_clock_guard_saves_and_stops(tmp_path, smoke_data):
 
 def test_reinit_dead_neurons_runs_and_logs(tmp_path, smoke_data):
     cfg = _cfg(smoke_data, steps=6)
-    cfg["sparsity"].update(reinit_dead=True, reinit_every=2, dead_window_tokens=1)
+    # A strong L1 at a high learning rate silences most of a layer within a few steps, so that there is
+    # something to count; a neuron is dead after one whole silent step (a window of 1 token).
+    cfg["sparsity"].update(reinit_dead=True, reinit_every=2, dead_window_tokens=1, l1_coef=1.0)
+    cfg["optim"]["lr"] = 3e-2
     res = run(cfg, out=tmp_path / "r")
-    events = [e for e in read_metrics(res.metrics_path)["event"] if e["event"] == "reinit"]
-    # Wiring only: events on schedule. A neuron counts as dead after a whole silent step, which this
-    # 6-step run never produces (so neurons is 0 here); the re-draw itself is tested in
-    # tests/test_train.py::test_reinit_dead_gates_touches_only_dead_rows.
-    assert [e["step"] for e in events] == [2, 4, 6] and all(e["neurons"] >= 0 for e in events)
+    recs = read_metrics(res.metrics_path)
+    events = [e for e in recs["event"] if e["event"] == "reinit"]
+    assert [e["step"] for e in events] == [2, 4, 6]
+    # The step's train record, written before the re-draw, gives the dead fraction per layer: the event
+    # must have re-drawn exactly those neurons.
+    H = cfg["model"]["intermediate_size"]
+    dead_frac = {r["step"]: r["dead_frac"] for r in recs["train"]}
+    for e in events:
+        assert e["per_layer"] == [round(f * H) for f in dead_frac[e["step"]]], e
+        assert e["neurons"] == sum(e["per_layer"])
+    assert sum(e["neurons"] for e in events) > 0, "no neuron died: the counts above prove nothing"
+    # The re-draw itself is tested in tests/test_train.py::test_reinit_dead_gates_touches_only_dead_rows.
 
 
 def test_resume_refuses_data_that_changed(tmp_path, smoke_data):

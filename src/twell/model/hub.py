@@ -31,6 +31,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file; a damaged one raises ValueError naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """A torch dtype from a torch.dtype or a name (``"bfloat16"``/``"bf16"``/``"float32"``/...).
 
@@ -142,7 +150,7 @@ def read_state_dict(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     files: list[Path] = []
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (d / index_name).is_file():
-            weight_map = json.loads((d / index_name).read_text())["weight_map"]
+            weight_map = _read_json(d / index_name)["weight_map"]
             files = [d / f for f in sorted(set(weight_map.values()))]
             break
     if not files:
@@ -178,7 +186,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     cfg_path = ckpt / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{ckpt} has no config.json; expected a Hugging Face checkpoint directory")
-    raw = json.loads(cfg_path.read_text())
+    raw = _read_json(cfg_path)
     mc, notes = from_hf_dict(raw)
     # the checkpoint's own token ids as written (a list of eos ids, a pad id, null), as transformers keeps them
     extra = {k: raw[k] for k in ("twell_tokenizer", *TOKEN_IDS) if k in raw}
@@ -218,7 +226,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     if (ckpt / "generation_config.json").is_file():  # as from_pretrained does: generate() stops where it should
         from transformers import GenerationConfig
 
-        gen = json.loads((ckpt / "generation_config.json").read_text())
+        gen = _read_json(ckpt / "generation_config.json")
         if gen.get("_from_model_config"):
             # Derived from the model config: its token ids follow config.json, where that names them
             # (older exports wrote the build-time ids, 0, here and the data's in config.json).
