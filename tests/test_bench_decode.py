@@ -3,6 +3,7 @@ files, its report and its exit status."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -42,3 +43,26 @@ def test_cases_beyond_the_defaults(tmp_path):
     rows = json.loads(jpath.read_text())["rows"]
     assert code == 0 and [(r["case"], r["nnz_target"]) for r in rows] == [("nnz40", 40.0)] * 2
     assert all(30 <= r["nnz_measured"] <= 50 for r in rows), [r["nnz_measured"] for r in rows]
+
+
+def test_record_holds_the_run_environment_and_marks_a_dirty_tree(tmp_path, monkeypatch):
+    from twell.bench import provenance as pv
+    from twell.bench.decode import markdown_report, run_decode_bench, write_outputs
+
+    cfg = DecodeBenchConfig(rows=(1,), cases=("nnz8",), D=128, H=300, reps=2, warmup=0, device="cpu")
+    state = {"repository": True, "dirty": False, "changed": [], "changed_count": 0, "diff_digest": None}
+    monkeypatch.setattr(pv, "tree_state", lambda root=None: dict(state))
+    monkeypatch.setattr(sys, "argv", ["python -m twell.bench", "decode", "--M", "1"])
+    clean = run_decode_bench(cfg, progress=False)
+    meta = clean["meta"]
+    assert meta["command"] == "'python -m twell.bench' decode --M 1" and meta["allow_dirty"] is False
+    for key in ("timestamp", "host", "python", "torch", "cuda", "device", "device_name", "code"):
+        assert key in meta, key
+    assert meta["code"]["dirty"] is False and "LOCAL CHANGES" not in markdown_report(clean)
+    assert pv.code_line(meta["code"]) in markdown_report(clean)
+    state.update(dirty=True, changed=["?? scratch.py"], changed_count=1, diff_digest="e" * 16)
+    dirty = run_decode_bench(cfg, progress=False, allow_dirty=True)
+    jpath, mpath = write_outputs(dirty, tmp_path)
+    saved = json.loads(jpath.read_text())["meta"]
+    assert saved["allow_dirty"] is True and saved["code"]["dirty"] is True and saved["code"]["diff_digest"] == "e" * 16
+    assert "> LOCAL CHANGES (allowed by allow_dirty): 1 paths" in mpath.read_text()

@@ -206,3 +206,26 @@ def test_compiled_training_rows_say_what_the_compiler_did(pair):
         assert note and note[0].endswith(", 0 graph breaks"), row[side]["notes"]
         assert int(note[0].split()[1]) >= 1
     assert "training-compiled: each decoder layer compiled" in markdown_report(res)
+
+
+def test_record_holds_the_run_environment_and_marks_a_dirty_tree(pair, tmp_path, monkeypatch):
+    from twell.bench import provenance as pv
+
+    cfg = ModelBenchConfig(checkpoint=pair[0], **{**SMALL, "train_batch": 0, "decode_batches": (1,),
+                                                  "token_check": False})
+    state = {"repository": True, "dirty": False, "changed": [], "changed_count": 0, "diff_digest": None}
+    monkeypatch.setattr(pv, "tree_state", lambda root=None: dict(state))
+    clean = run_model_bench(cfg, progress=False)
+    meta = clean["meta"]
+    # "started" and the device's type, as the model JSONs and notebook 04 have them; the rest is run_meta's
+    assert "started" in meta and "timestamp" not in meta and meta["device"] == "cpu"
+    for key in ("host", "python", "torch", "cuda", "device_name", "argv", "command", "allow_dirty"):
+        assert key in meta, key
+    md = markdown_report(clean)
+    assert pv.code_line(meta["code"]) in md and f"command: `{meta['command']}`" in md and "LOCAL CHANGES" not in md
+    state.update(dirty=True, changed=[" M configs/0p5b.yaml"], changed_count=1, diff_digest="f" * 16)
+    dirty = run_model_bench(cfg, progress=False, allow_dirty=True)
+    jp, mp = write_outputs(dirty, tmp_path)
+    saved = json.loads(jp.read_text())["meta"]
+    assert saved["allow_dirty"] is True and saved["code"]["changed"] == [" M configs/0p5b.yaml"]
+    assert "> LOCAL CHANGES (allowed by allow_dirty): 1 paths" in mp.read_text()

@@ -1,9 +1,14 @@
 """Code digests in benchmark results (twell.bench.provenance) and the CLI that maps them to commits."""
 import json
+import platform
 import shutil
 import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
 
 import pytest
+import torch
 
 from twell.bench import provenance as pv
 from twell.bench.__main__ import main as bench_main
@@ -117,7 +122,8 @@ def test_cli_reads_a_result_and_rejects_one_without_digests(tmp_path, capsys):
                        "--reps", "1", "--out", str(tmp_path), "--quiet", "--tag", "p"]) == 0
     (js,) = tmp_path.glob("ffn-*-p.json")
     meta = json.loads(js.read_text())["meta"]
-    assert meta["code"] == pv.provenance()  # this checkout, unchanged since the run
+    now = pv.provenance()
+    assert {k: meta["code"][k] for k in now} == now  # this checkout, unchanged since the run
     assert pv.code_line(meta["code"]) in js.with_suffix(".md").read_text()
     capsys.readouterr()
     if meta["code"]["commit"] is None:  # a copy of the tree without .git
@@ -138,3 +144,163 @@ def test_cli_reads_a_result_and_rejects_one_without_digests(tmp_path, capsys):
         bench_main(["provenance", str(old)])
     with pytest.raises(SystemExit, match="cannot read"):
         bench_main(["provenance", str(tmp_path / "missing.json")])
+
+
+# -- run_meta: the environment block of every benchmark, and the tree it ran from --------------------------------
+def _repo(root, files=BASE):
+    _git(root, "init", "-q")
+    _tree(root, files)
+    return _commit(root, "base")
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """Refusal as for a GPU run, on this CPU."""
+    monkeypatch.setattr(pv, "refuses_dirty", lambda device: True)
+
+
+def test_only_gpu_runs_are_refused_by_default():
+    assert pv.refuses_dirty(torch.device("cuda")) and pv.refuses_dirty("cuda:1")
+    assert not pv.refuses_dirty(torch.device("cpu")) and not pv.refuses_dirty("cpu")
+
+
+@needs_git
+def test_run_meta_of_a_clean_checkout(tmp_path, monkeypatch, as_on_a_gpu):
+    head = _repo(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["twell.bench", "ffn", "--tag", "a b"])
+    meta = pv.run_meta("cpu", root=tmp_path)  # a clean tree is never refused
+    code = meta["code"]
+    assert code["repository"] is True and code["dirty"] is False and code["commit"] == head
+    assert code["changed"] == [] and code["changed_count"] == 0 and code["diff_digest"] is None
+    assert code["matches_commit"] is True and code["csrc"] == pv.tree_digests(tmp_path)["csrc"]
+    assert meta["argv"] == ["twell.bench", "ffn", "--tag", "a b"] and meta["command"] == "twell.bench ffn --tag 'a b'"
+    assert meta["python"] == platform.python_version() and meta["torch"] == torch.__version__
+    assert meta["cuda"] == torch.version.cuda and meta["device"] == "cpu" and meta["allow_dirty"] is False
+    assert datetime.fromisoformat(meta["timestamp"]).tzinfo is not None
+    assert pv.code_line(code).endswith(f"commit {head[:10]}.") and pv.dirty_line(meta) is None
+
+
+@needs_git
+def test_a_dirty_tree_is_refused_unless_allowed_and_then_marked(tmp_path, as_on_a_gpu):
+    head = _repo(tmp_path)
+    (tmp_path / "src/twell/m/mod.py").write_text("x = 2")
+    with pytest.raises(pv.DirtyTreeError, match=r"1 paths .* differ from commit .*src/twell/m/mod.py"):
+        pv.run_meta("cpu", root=tmp_path)
+    meta = pv.run_meta("cpu", root=tmp_path, allow_dirty=True)
+    code = meta["code"]
+    assert meta["allow_dirty"] is True and code["dirty"] is True and code["commit"] == head
+    assert code["changed"] == [" M src/twell/m/mod.py"] and code["changed_count"] == 1
+    assert f"commit {head[:10]} with local changes (1 paths, diff digest {code['diff_digest']})" in pv.code_line(code)
+    assert pv.dirty_line(meta).startswith("> LOCAL CHANGES (allowed by allow_dirty): 1 paths")
+    # The digest is of the changes themselves: another edit of the same file is another tree.
+    (tmp_path / "src/twell/m/mod.py").write_text("x = 3")
+    assert pv.run_meta("cpu", root=tmp_path, allow_dirty=True)["code"]["diff_digest"] != code["diff_digest"]
+
+
+@needs_git
+def test_a_cpu_run_from_a_dirty_tree_is_marked_not_refused(tmp_path):
+    _repo(tmp_path)
+    (tmp_path / "csrc/a.cu").unlink()
+    meta = pv.run_meta("cpu", root=tmp_path)
+    assert meta["code"]["dirty"] is True and meta["code"]["changed"] == [" D csrc/a.cu"]
+    assert "(not refused: not a GPU run)" in pv.dirty_line(meta)
+
+
+@needs_git
+def test_what_makes_a_tree_dirty(tmp_path):
+    _repo(tmp_path, {**BASE, "reports/bench/old.json": "{}", "docs/a.md": "text", ".gitignore": "*.so\n"})
+    assert pv.tree_state(tmp_path)["dirty"] is False
+    # Results the benchmarks write (reports/) and ignored build files are not the code that ran.
+    (tmp_path / "reports/bench/new.json").write_text("{}")
+    (tmp_path / "reports/bench/old.json").write_text("{\"changed\": 1}")
+    (tmp_path / "csrc/ext.so").write_bytes(b"\0")
+    assert pv.tree_state(tmp_path)["dirty"] is False
+    # Any other change counts, code or not, tracked or not; an untracked file's content is in the digest.
+    (tmp_path / "docs/a.md").write_text("edited")
+    (tmp_path / "notes.txt").write_text("one")
+    state = pv.tree_state(tmp_path)
+    assert state["dirty"] is True and state["changed"] == [" M docs/a.md", "?? notes.txt"]
+    (tmp_path / "notes.txt").write_text("two")
+    assert pv.tree_state(tmp_path)["diff_digest"] != state["diff_digest"]
+    _git(tmp_path, "mv", "docs/a.md", "docs/b.md")  # a rename lists the new path once
+    assert pv.tree_state(tmp_path)["changed"] == ["RM docs/b.md", "?? notes.txt"]
+
+
+@needs_git
+def test_a_repository_without_a_commit_is_dirty(tmp_path, as_on_a_gpu):
+    _git(tmp_path, "init", "-q")
+    _tree(tmp_path, BASE)
+    state = pv.tree_state(tmp_path)
+    assert state["repository"] is True and state["dirty"] is True and state["changed_count"] == len(BASE)
+    with pytest.raises(pv.DirtyTreeError, match="no commit yet"):
+        pv.run_meta("cpu", root=tmp_path)
+    assert pv.code_line(pv.run_meta("cpu", root=tmp_path, allow_dirty=True)["code"]).endswith(
+        "a git repository without a commit.")
+
+
+def test_run_meta_without_a_repository_records_that_and_does_not_refuse(tmp_path, as_on_a_gpu):
+    _tree(tmp_path, BASE)  # a copy of the tree without .git
+    meta = pv.run_meta("cpu", root=tmp_path)
+    code = meta["code"]
+    assert code["repository"] is False and code["dirty"] is None and code["commit"] is None
+    assert code["csrc"] == pv.tree_digests(tmp_path)["csrc"] and "package_dir" not in code
+    assert "no git checkout" in pv.code_line(code) and pv.dirty_line(meta) is None
+
+
+@needs_git
+def test_a_copy_inside_another_checkout_is_no_repository(tmp_path, as_on_a_gpu):
+    _repo(tmp_path, {"README": "outer"})
+    inner = tmp_path / "copy"
+    _tree(inner, BASE)  # untracked in the outer repository, which is dirty: not this tree's state
+    meta = pv.run_meta("cpu", root=inner)
+    assert meta["code"]["repository"] is False and meta["code"]["commit"] is None
+
+
+def test_run_meta_of_an_installed_package_digests_the_imported_modules(tmp_path, as_on_a_gpu):
+    import twell
+
+    meta = pv.run_meta("cpu", root=tmp_path)  # no checkout here: as when twell is installed and run elsewhere
+    package = Path(twell.__file__).resolve().parent
+    assert meta["code"]["repository"] is False and meta["code"]["package_dir"] == str(package)
+    # Named as in a checkout, so the digest compares with git's (this checkout's own src/twell here).
+    assert meta["code"]["package"] == pv.tree_digests(package.parents[1])["package"]
+    assert f"package imported from {package}" in pv.code_line(meta["code"])
+
+
+@needs_git
+@pytest.mark.parametrize("bench", ["ffn", "decode", "model"])
+def test_bench_entry_points_refuse_a_dirty_tree_before_measuring(bench, tmp_path, monkeypatch, as_on_a_gpu):
+    from twell.bench import decode, ffn, model
+
+    _repo(tmp_path)
+    (tmp_path / "csrc/a.cu").write_text("edited")
+    monkeypatch.setattr(pv, "repo_root", lambda: tmp_path)
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the tree was checked")
+
+    monkeypatch.setattr(decode, "calibrated_ffn_inputs", measured)
+    monkeypatch.setattr(model, "_load", measured)
+    monkeypatch.setattr(ffn.BenchRunner, "capture", measured)
+    run = {
+        "ffn": lambda **kw: ffn.BenchRunner(ffn.BenchConfig(device="cpu", shapes="odd", cases=("nnz8",), D=64,
+                                                            odd_M=20, odd_H=100, reps=1, energy=False),
+                                            progress=False, **kw).run(),
+        "decode": lambda **kw: decode.run_decode_bench(decode.DecodeBenchConfig(rows=(1,), cases=("nnz8",), D=64,
+                                                                                H=100, device="cpu"), False, **kw),
+        "model": lambda **kw: model.run_model_bench(model.ModelBenchConfig(checkpoint="nowhere", device="cpu"),
+                                                    False, **kw),
+    }[bench]
+    with pytest.raises(pv.DirtyTreeError, match="csrc/a.cu"):
+        run()
+    with pytest.raises(AssertionError, match="measured before"):  # allowed: it goes on to measure
+        run(allow_dirty=True)
+
+
+@needs_git
+def test_an_installed_package_run_in_another_projects_checkout_records_no_commit(tmp_path, as_on_a_gpu):
+    _repo(tmp_path, {"README": "another project"})
+    (tmp_path / "README").write_text("edited")  # that project's changes are not this run's
+    meta = pv.run_meta("cpu", root=tmp_path)
+    assert meta["code"]["repository"] is False and meta["code"]["commit"] is None
+    assert meta["code"]["matches_commit"] is None and meta["code"]["dirty"] is None

@@ -20,11 +20,7 @@ NaN before the checked replay), and optionally NVML energy per token.
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import platform
 import re
-import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from twell.bench.generator import calibrated_ffn_inputs
-from twell.bench.provenance import code_line, provenance
+from twell.bench.provenance import code_line, dirty_line, run_meta
 from twell.bench.timing import graphed, time_alternating
 from twell.reference.decode import DECODE_MAX_ROWS
 
@@ -141,10 +137,12 @@ def _auto_layer(x, w_gate, w_up, w_down_t) -> Callable[[], torch.Tensor]:
     return run
 
 
-def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True) -> dict:
+def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True, allow_dirty: bool = False) -> dict:
+    """Every case and row count of ``cfg``; a JSON-ready dict (``meta``, ``rows``, ``failures``). A GPU run from a
+    tree with local changes raises :class:`twell.bench.provenance.DirtyTreeError` before measuring anything,
+    unless ``allow_dirty``: then its record says so."""
     device = torch.device(cfg.device)
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    code = provenance()
+    started = run_meta(device, allow_dirty=allow_dirty)  # the tree as the run starts
     graphs = cfg.graphs and device.type == "cuda"
     meter, energy_note = None, None
     if cfg.energy_rows and device.type == "cuda":
@@ -217,12 +215,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True) -> dict:
             torch.cuda.empty_cache()
     bar.close()
     meta = {
-        "timestamp": started, "host": socket.gethostname(), "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **started,
         "clock": "cuda-events" if device.type == "cuda" else "perf_counter (CPU: not the benchmark protocol)",
-        "graphs": graphs, "config": dataclasses.asdict(cfg), "energy_note": energy_note, "code": code,
-        "argv": sys.argv,
+        "graphs": graphs, "config": dataclasses.asdict(cfg), "energy_note": energy_note,
     }
     return {"meta": meta, "rows": rows, "failures": failures}
 
@@ -236,6 +231,8 @@ def markdown_report(result: dict) -> str:
              f"{'overwritten' if cfg['flush_l2'] else 'kept'} before each call; clock: {meta['clock']}.", ""]
     if meta.get("code"):
         lines += [code_line(meta["code"]), ""]
+    if dirty_line(meta):
+        lines += [dirty_line(meta), ""]
     if meta["device"].startswith("cpu"):
         lines += ["> CPU run: these are not GPU numbers.", ""]
     names = []

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime as _dt
 import json
 import math
-import platform
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -36,6 +34,7 @@ import numpy as np
 import torch
 
 from twell.bench.memory import peak_memory_above_baseline
+from twell.bench.provenance import code_line, dirty_line
 from twell.bench.timing import time_alternating
 
 # What the paper reports for its four scales (8x H100 PCIe, sequence 2048, L1 2e-5), sparse against
@@ -176,6 +175,16 @@ def _compiled(model, backend: str):
     return per[backend]
 
 
+def _cache_argument(model, cache) -> dict:
+    """The KV cache as the keyword the model's forward takes: ``cache`` in the transformers releases that
+    renamed it (they warn that ``past_key_values`` goes away in 5.40), ``past_key_values`` in the older
+    ones pyproject still admits, where an unknown ``cache`` would be swallowed by ``**kwargs`` and the
+    steps would run without a cache."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
                   compile_backend: Optional[str] = None,
                   cache_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
@@ -195,7 +204,8 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
     if cache_len is not None and cache_len < P + new:
         raise ValueError(f"cache_len {cache_len} cannot hold the prompt ({P}) and {new} new tokens")
     cache = StaticCache(config=model.config, max_cache_len=cache_len or P + new)
-    logits = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(P, device=device),
+    with_cache = _cache_argument(model, cache)
+    logits = model(input_ids=prompt, **with_cache, cache_position=torch.arange(P, device=device),
                    use_cache=True).logits[:, -1]
     out = torch.empty(b, new, dtype=torch.long, device=device)
     out[:, 0] = logits.argmax(-1)
@@ -205,7 +215,7 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
     fwd = model if compile_backend is None else _compiled(model, compile_backend)
 
     def step() -> torch.Tensor:
-        return fwd(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
+        return fwd(input_ids=ids, **with_cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
 
     # Warm-up steps (before a capture) write position P's cache entry, which the first real step writes
     # again; but transformers' static cache layers also count the tokens they hold (cumulative_length, the
@@ -424,7 +434,8 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         step()
     peak = peak_memory_above_baseline(step, device)
     secs = _timed(step, device, steps)
-    notes = sorted({getattr(f, "train_note", "") for f in ffns} - {""})
+    # why layers trained dense (the last step's Routes): too active, or a layer the training op cannot run
+    notes = sorted({f.last_route.reason for f in ffns if f.last_route is not None and f.last_route.op == "dense"})
     if compile_layers:  # what the compiler did: a graph break or a fall-back to eager would show here
         breaks = sum(counters["graph_break"].values())
         notes.append(f"compiled: {counters['stats']['unique_graphs']} graphs, {breaks} graph breaks"
@@ -435,14 +446,16 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
             "notes": notes}
 
 
-def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
-    """All measurements of one checkpoint; a JSON-ready dict (``rows``: one per measure and batch)."""
-    from twell.bench.provenance import provenance
+def run_model_bench(cfg: ModelBenchConfig, progress: bool = True, allow_dirty: bool = False) -> dict:
+    """All measurements of one checkpoint; a JSON-ready dict (``rows``: one per measure and batch). A GPU run
+    from a tree with local changes raises :class:`twell.bench.provenance.DirtyTreeError` before a model is
+    loaded, unless ``allow_dirty``: then its record says so."""
+    from twell.bench.provenance import run_meta
     from twell.progress import progress_bar
 
     cfg.check()
     device = torch.device(cfg.device)
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    env = run_meta(device, allow_dirty=allow_dirty)  # the tree as the run starts
     sparse = _load(cfg.checkpoint, cfg.sparse_path, device)
     dense = _load(cfg.dense_checkpoint or cfg.checkpoint, "dense", device)
     mc = sparse.config
@@ -521,10 +534,9 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True) -> dict:
         bar.update(1)
     bar.close()
 
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {
-        "meta": {"started": started, "device": device.type, "device_name": dev_name, "torch": torch.__version__,
-                 "code": provenance(), "config": dataclasses.asdict(cfg),
+        # "started" (not run_meta's "timestamp") and the device's type: the names this JSON has always used
+        "meta": {"started": env.pop("timestamp"), **env, "device": device.type, "config": dataclasses.asdict(cfg),
                  "note": None if device.type == "cuda" else "CPU run: a smoke test of the code, not GPU numbers",
                  "clock": "cuda-events (prefill), wall time (decode, training)" if device.type == "cuda"
                  else "perf_counter / wall time on a CPU"},
@@ -604,8 +616,12 @@ def markdown_report(res: dict) -> str:
             g = tc["graph"]
             lines.append("Greedy tokens of the CUDA-graph decoder, same comparison: " + (
                 "identical." if g["same"] else f"first divergence at new token(s) {g['first_diff']}."))
-    code = meta.get("code") or {}
-    lines += ["", f"Code: commit {code.get('commit') or '-'} (matches: {code.get('matches_commit')})"]
+    lines += ["", f"python {meta.get('python', '-')}, torch {meta['torch']}, CUDA {meta.get('cuda') or '-'}; "
+                  f"command: `{meta.get('command', '-')}`"]
+    if meta.get("code"):
+        lines += [code_line(meta["code"])]
+    if dirty_line(meta):
+        lines += [dirty_line(meta)]
     return "\n".join(lines) + "\n"
 
 
