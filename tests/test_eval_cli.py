@@ -4,14 +4,19 @@ nothing, the test checks what is written and the exit status)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from twell.eval.__main__ import main, parse_limit
+from twell import kernels
+from twell.eval.__main__ import _parser, main, parse_limit
 from twell.eval.fixtures import save_fixture_checkpoint, write_fixture_task_data
 from twell.eval.harness import EvalRun
+from twell.paths import repo_root
 
 TASKS = ["piqa", "commonsense_qa"]
 
@@ -92,3 +97,56 @@ def test_parse_limit(text, value):
 def test_parse_limit_refuses(text):
     with pytest.raises(ValueError):
         parse_limit(text)
+
+
+# -- bad input: one line on stderr, exit status 2, before lm-eval or the model is loaded ---------------------------
+def test_help_ends_on_a_sentence():
+    description = _parser().description
+    assert description.endswith(".") and "lm-eval" in description
+
+
+@pytest.mark.skipif(kernels.available(build=False)[0], reason="the kernels can run here")
+def test_kernel_path_without_the_kernels_is_refused_before_loading(tmp_path):
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, "-m", "twell.eval", "run", str(tmp_path / "never-loaded"),
+                           "--name", "sparse", "--out", str(out), "--ffn-path", "kernel"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(repo_root() / "src"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("python -m twell.eval run: error: --ffn-path kernel: the TwELL kernels cannot run here")
+    assert "--ffn-path reference" in lines[0] and not out.exists()
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--limit", "abc", "expected a whole number of documents"),
+    ("--limit", "2.5", "expected a whole number of documents"),
+    ("--batch-size", "big", "expected auto, auto:N or a whole number >= 1"),
+    ("--device", "bogus", "expected cpu, cuda or cuda:N"),
+])
+def test_bad_run_options_are_usage_errors(tmp_path, capsys, option, value, message):
+    with pytest.raises(SystemExit) as info:
+        main(["run", str(tmp_path), "--name", "x", "--out", str(tmp_path / "o.json"), option, value])
+    assert info.value.code == 2
+    assert f"python -m twell.eval run: error: argument {option}: {message}" in capsys.readouterr().err
+
+
+def test_damaged_checkpoint_and_out_folder_are_named(setup, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(setup[2]["dense"], bad)
+    (bad / "config.json").write_text("{\n")
+    assert main(["run", str(bad), "--name", "dense", "--out", str(tmp_path / "o.json"), "--device", "cpu"]) == 2
+    assert f"python -m twell.eval run: error: {bad / 'config.json'} cannot be read as JSON" in capsys.readouterr().err
+    assert main(["run", str(setup[2]["dense"]), "--name", "dense", "--out", str(tmp_path), "--device", "cpu"]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
+
+
+def test_compare_names_a_file_that_is_not_an_eval_run(tmp_path, capsys):
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "broken.json").write_text("{")
+    for name, why in (("empty.json", "KeyError"), ("broken.json", "JSONDecodeError"),
+                      ("missing.json", "does not exist")):
+        assert main(["compare", str(tmp_path / name), str(tmp_path / name), "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m twell.eval compare: error: baseline {tmp_path / name}") and why in err

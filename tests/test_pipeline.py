@@ -362,3 +362,51 @@ def test_notebook_01_on_a_gpu_builds_verifies_and_benchmarks_the_kernels(tmp_pat
     assert set(speed["M"]) == {2048, 12345} and speed["in this run"].eq("yes").all()
     assert speed["correct"].eq("yes").all() and (speed["speedup"] > 0).all()
     assert (reports / "figures" / "01_kernel_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the command line on bad input ----------------------------------------------------------------------------
+def test_list_shows_only_the_selected_notebooks(tmp_path, capsys):
+    _write_notebook(tmp_path, "01_kernels", ["pass"])
+    d = _dirs(tmp_path)
+    args = ["--notebooks-dir", str(d["notebooks_dir"]), "--configs-dir", str(d["configs_dir"])]
+    assert pl.main(["--list", "--only", "01", *args]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("01_kernels") and "present" in lines[0]
+    assert pl.main(["--list", "--only", "07", *args]) == 2
+    assert capsys.readouterr().err.startswith("python -m twell.pipeline: error: unknown notebook '07'")
+
+
+def test_unknown_kernel_is_refused_before_any_notebook_runs(tmp_path, capsys):
+    _write_notebook(tmp_path, "00_twell_format", ["open('ran', 'w').write('x')"])
+    d = _dirs(tmp_path)
+    assert pl.main(["--only", "00", "--kernel", "no-such-kernel-here", "--no-progress",
+                    *[a for k, v in d.items() for a in (f"--{k.replace('_', '-')}", str(v))]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m twell.pipeline: error: no Jupyter kernel named 'no-such-kernel-here'")
+    assert "leave --kernel out" in err
+    assert not (d["reports_dir"] / "notebooks" / "pipeline_run.json").exists()
+    assert not (tmp_path / "notebooks" / "ran").exists()
+
+
+def test_cell_timeout_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as info:
+        pl.main(["--cell-timeout", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m twell.pipeline: error: argument --cell-timeout: expected a positive number" in err
+
+
+def test_an_override_of_the_wrong_kind_is_refused_before_running(tmp_path):
+    _write_notebook(tmp_path, "00_twell_format", ["open('ran', 'w').write('x')"],
+                    params="n = 1\nflag = True\nname = 'a'",
+                    profiles={"cpu-smoke": {"n": 2, "flag": True, "name": "a"}})
+    d = _dirs(tmp_path)
+    for item, kind in (("00:n=abc", "is a str, but profile 'cpu-smoke' sets n to a number (2)"),
+                       ("00:flag=3", "is a number, but profile 'cpu-smoke' sets flag to true/false")):
+        with pytest.raises(pl.PipelineError, match=kind.replace("(", r"\(").replace(")", r"\)")):
+            pl.run_pipeline(only="00", overrides=pl.parse_overrides([item]), progress=False, **d)
+    assert not (tmp_path / "notebooks" / "ran").exists()
+    # a number for a number, and any value for text or where the profile has none, are the notebook's to judge
+    runs = pl.plan("cpu-smoke", ["00_twell_format"], pl.PipelinePaths.resolve(**d),
+                   pl.parse_overrides(["00:n=2.5", "00:name=7", "00:flag=false"]))
+    assert {k: runs[0].parameters[k] for k in ("n", "name", "flag")} == {"n": 2.5, "name": 7, "flag": False}

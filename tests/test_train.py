@@ -309,3 +309,81 @@ def test_a_folder_named_like_a_config_does_not_hide_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").mkdir()  # e.g. runs/tiny, the default output of --config tiny, when run from runs/
     assert config_path("tiny") == repo_root() / "configs" / "tiny.yaml"
+
+
+# -- python -m twell.train: --resume and bad input ---------------------------------------------------------------
+def _cli_run(monkeypatch):
+    """Replace the training run of the CLI by a recorder of its arguments."""
+    import types
+
+    from twell.train import __main__ as cli
+
+    calls = []
+
+    def record(cfg, **kwargs):
+        calls.append(dict(kwargs, cfg=cfg))
+        return types.SimpleNamespace(summary=None)  # no summary: main prints nothing more
+
+    monkeypatch.setattr(cli, "run", record)
+    return cli, calls
+
+
+def test_resume_refuses_an_out_dir_without_a_run(tmp_path, monkeypatch, capsys):
+    cli, calls = _cli_run(monkeypatch)
+    assert cli.main(["--config", "tiny", "--out", str(tmp_path / "typo"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m twell.train: error: --resume: {tmp_path / 'typo'} does not exist")
+    assert "--resume-if-exists" in err and not (tmp_path / "typo").exists()
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["--config", "tiny", "--out", str(tmp_path / "empty"), "--resume"]) == 2
+    assert "holds no run (no ckpt or metrics.jsonl)" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "repo_root", lambda: tmp_path)  # the default --out: runs/<config name>
+    assert cli.main(["--config", "tiny", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "runs" / "tiny") in err and "(default runs/<config name>)" in err
+    assert calls == []
+
+
+def test_resume_continues_a_run_and_resume_if_exists_starts_one_where_there_is_none(tmp_path, monkeypatch, capsys):
+    cli, calls = _cli_run(monkeypatch)
+    out = tmp_path / "run"
+    assert cli.main(["--config", "tiny", "--out", str(out), "--resume-if-exists"]) == 0
+    assert calls[-1]["resume"] is False and calls[-1]["out"] == out
+    assert f"no run in {out} to resume: starting a new run at step 0" in capsys.readouterr().err
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # an attempt killed before its first checkpoint is a run to continue
+    assert cli.main(["--config", "tiny", "--out", str(out), "--resume-if-exists"]) == 0
+    assert calls[-1]["resume"] is True and "starting a new run" not in capsys.readouterr().err
+    assert cli.main(["--config", "tiny", "--out", str(out), "--resume", "--set", "train.steps=7"]) == 0
+    assert calls[-1]["resume"] is True and calls[-1]["cfg"].train.steps == 7
+
+
+def test_cli_config_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    cli, calls = _cli_run(monkeypatch)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [\n")
+    assert cli.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m twell.train: error: --config {bad} is not valid YAML") and str(bad) in err
+    assert cli.main(["--config", "tiny", "--set", "train.steps=["]) == 2
+    assert "--set 'train.steps=[': the value is not valid YAML" in capsys.readouterr().err
+    assert cli.main(["--config", "tiny", "--resume", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith("usage: python -m twell.train")
+    assert "python -m twell.train: error: argument --overwrite: not allowed with argument --resume" in err
+    if not torch.cuda.is_available():
+        assert cli.main(["--config", "tiny", "--set", "train.device=cuda"]) == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err
+    assert calls == []
+
+
+def test_cli_resume_of_nothing_exits_2_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "twell.train", "--config", "tiny", "--out", str(tmp_path / "none"),
+                           "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith("python -m twell.train: error: --resume:")

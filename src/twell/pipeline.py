@@ -43,7 +43,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import yaml
 
+from twell.cli import positive_float, report
 from twell.paths import SMOKE_PROFILE, environ_set, repo_root, reports_root
+
+PROG = "python -m twell.pipeline"
 
 NOTEBOOK_ORDER: tuple[str, ...] = (
     "00_twell_format",
@@ -240,6 +243,10 @@ def plan(
         given = sorted(set(overrides.get(name, {})) & set(COMMON_PARAMETERS))
         if given:  # the pipeline sets these itself (below): an override would be silently replaced
             raise PipelineError(f"{name}: {given} cannot be overridden; use --profile / --reports-dir")
+        for key, value in overrides.get(name, {}).items():
+            if _type_clash(params.get(key), value):
+                raise PipelineError(f"{name}: --set {key}={value!r} is {_kind(value)}, but profile {profile!r} sets "
+                                    f"{key} to {_kind(params[key])} ({params[key]!r}); give a value of that kind")
         params.update(overrides.get(name, {}))
         declared = notebook_parameters(source)
         unknown = sorted(set(params) - declared - set(COMMON_PARAMETERS))
@@ -251,6 +258,25 @@ def plan(
         params.update(profile=profile, reports_dir=str(paths.reports))
         runs.append(PlannedRun(name, source, paths.reports / "notebooks" / f"{name}.ipynb", params))
     return runs
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    return "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}"
+
+
+def _type_clash(profile_value: Any, value: Any) -> bool:
+    """True where an override cannot be meant for the profile's value: text or a list for a number, anything but
+    true/false for a flag (the notebook would fail on it in some cell, after the notebooks before it ran). None
+    on either side, strings, lists and mappings are left to the notebook."""
+    if profile_value is None or value is None:
+        return False
+    if isinstance(profile_value, bool) or isinstance(value, bool):
+        return isinstance(profile_value, bool) != isinstance(value, bool)
+    if isinstance(profile_value, (int, float)):
+        return not isinstance(value, (int, float))
+    return False
 
 
 @contextlib.contextmanager
@@ -279,6 +305,20 @@ def _kernel_environment(reports: Path, kernel_name: str | None) -> Iterator[str]
             env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [tmp, os.environ.get("JUPYTER_PATH")]))
         with environ_set(env):
             yield kernel_name
+
+
+def check_kernel(name: str) -> None:
+    """PipelineError unless Jupyter knows a kernel called ``name`` (else every notebook would fail to start)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    manager = KernelSpecManager()
+    try:
+        manager.get_kernel_spec(name)
+    except NoSuchKernel:
+        known = ", ".join(sorted(manager.find_kernel_specs())) or "none"
+        raise PipelineError(f"no Jupyter kernel named {name!r} (installed: {known}); leave --kernel out to run the "
+                            f"notebooks on this interpreter, or register it (python -m ipykernel install --user "
+                            f"--name {name})") from None
 
 
 def _describe_failure(name: str, exc: Exception) -> tuple[str, int | None]:
@@ -317,6 +357,8 @@ def run_pipeline(
 
     paths = PipelinePaths.resolve(notebooks_dir, configs_dir, reports_dir, profile)
     runs = plan(profile, select_notebooks(only), paths, overrides)
+    if kernel_name is not None:
+        check_kernel(kernel_name)
     (paths.reports / "notebooks").mkdir(parents=True, exist_ok=True)
     results: list[NotebookResult] = []
     failure: str | None = None
@@ -380,10 +422,10 @@ def format_summary(results: Sequence[NotebookResult]) -> str:
     return "\n".join(lines)
 
 
-def list_notebooks(paths: PipelinePaths) -> str:
-    """One line per notebook: whether its file exists and which profiles its YAML defines."""
+def list_notebooks(paths: PipelinePaths, names: Sequence[str] = NOTEBOOK_ORDER) -> str:
+    """One line per notebook of ``names``: whether its file exists and which profiles its YAML defines."""
     lines = []
-    for name in NOTEBOOK_ORDER:
+    for name in names:
         nb = paths.notebooks / f"{name}.ipynb"
         cfg = paths.configs / f"{name}.yaml"
         try:
@@ -397,12 +439,13 @@ def list_notebooks(paths: PipelinePaths) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m twell.pipeline",
+        prog=PROG,
         description="Execute notebooks " + ", ".join(NOTEBOOK_ORDER) + " in order with papermill.",
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"profile name ({', '.join(KNOWN_PROFILES)}; default %(default)s)")
     p.add_argument("--only", help="comma-separated notebook numbers or names, e.g. 00,02")
-    p.add_argument("--list", action="store_true", help="list notebooks and their profiles, run nothing")
+    p.add_argument("--list", action="store_true", help="list the notebooks (those of --only) and their profiles, "
+                                                       "run nothing")
     p.add_argument("--set", dest="overrides", action="append", metavar="NB:KEY=VALUE", default=[],
                    help="override one parameter, e.g. --set 00:M=512 (value parsed as YAML); repeatable")
     p.add_argument("--kernel", default=None,
@@ -412,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reports-dir", default=None,
                    help=f"default reports/, or reports/smoke/ for {DEFAULT_PROFILE} (env TWELL_REPORTS)")
     p.add_argument("--log-output", action="store_true", help="stream cell outputs to the terminal")
-    p.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
+    p.add_argument("--cell-timeout", type=positive_float, default=None, help="seconds per cell (default: none)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars on the terminal")
     return p
 
@@ -420,10 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     paths = PipelinePaths.resolve(args.notebooks_dir, args.configs_dir, args.reports_dir, args.profile)
-    if args.list:
-        print(list_notebooks(paths))
-        return 0
     try:
+        if args.list:
+            print(list_notebooks(paths, select_notebooks(args.only)))
+            return 0
         results = run_pipeline(
             args.profile, args.only, parse_overrides(args.overrides),
             notebooks_dir=paths.notebooks, configs_dir=paths.configs, reports_dir=paths.reports,
@@ -435,8 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nFAILED: {exc}", file=sys.stderr)
         return 1
     except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(PROG, str(exc))
     print("\n" + format_summary(results))
     print(f"\nexecuted notebooks in {paths.reports / 'notebooks'}")
     return 0
