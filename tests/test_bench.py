@@ -327,6 +327,29 @@ def test_protocol_deviations_and_report_banner(tmp_path):
     assert "BELOW THE BENCHMARK.md PROTOCOL: median of 3 reps" in bench_ffn.markdown_report(result)
 
 
+def test_record_holds_the_run_environment_and_marks_a_dirty_tree(tmp_path, monkeypatch):
+    from twell.bench import provenance as pv
+
+    cfg = _tiny_cfg(tmp_path, shapes="odd", cases=("nnz8",), impls=("masked",))
+    state = {"repository": True, "dirty": False, "changed": [], "changed_count": 0, "diff_digest": None}
+    monkeypatch.setattr(pv, "tree_state", lambda root=None: dict(state))
+    clean = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False).run()
+    meta = clean["meta"]
+    for key in ("timestamp", "finished", "host", "python", "torch", "cuda", "device", "device_name", "argv",
+                "command", "allow_dirty"):
+        assert key in meta, key
+    assert {"csrc", "package", "commit", "repository", "dirty", "changed", "diff_digest"} <= set(meta["code"])
+    md = bench_ffn.markdown_report(clean)
+    assert pv.code_line(meta["code"]) in md and "LOCAL CHANGES" not in md
+    state.update(dirty=True, changed=[" M src/twell/x.py"], changed_count=1, diff_digest="d" * 16)
+    dirty = bench_ffn.BenchRunner(cfg, registry=_registry(masked=_masked_ffn), progress=False, allow_dirty=True).run()
+    assert dirty["meta"]["allow_dirty"] is True and dirty["meta"]["code"]["dirty"] is True
+    jpath, mpath = bench_ffn.write_outputs(dirty, tmp_path)
+    assert json.loads(jpath.read_text())["meta"]["code"]["changed"] == [" M src/twell/x.py"]
+    assert "> LOCAL CHANGES (allowed by allow_dirty): 1 paths" in mpath.read_text()
+    assert f"diff digest {'d' * 16}" in mpath.read_text()
+
+
 def test_harness_fails_an_output_that_missed_the_poison(tmp_path, monkeypatch):
     """An output outside the poisoned blocks could hold a stale right answer: not counted as correct."""
     monkeypatch.setattr(bench_ffn.Poison, "hit", lambda self, out: False)
@@ -396,7 +419,9 @@ def test_gpu_harness_poison_catches_unwritten_output(tmp_path):
     # Outputs above 1 MB (large allocator pool), like every protocol shape.
     cfg = _tiny_cfg(tmp_path, device="cuda", impls=("good", "lazy"), cases=("nnz29",), Ms=(4096,), D=512, H=1536,
                     odd_M=3001, odd_H=1000, energy=True, energy_seconds=0.3)
-    result = bench_ffn.BenchRunner(cfg, registry=_registry(good=_masked_ffn, lazy=lazy), progress=False).run()
+    # allow_dirty: a test of the harness, run from whatever tree is on the GPU machine, not a record
+    result = bench_ffn.BenchRunner(cfg, registry=_registry(good=_masked_ffn, lazy=lazy), progress=False,
+                                   allow_dirty=True).run()
     for rec in result["cases"]:
         assert rec["impls"]["good"]["ok"]
         lazy_res = rec["impls"]["lazy"]
@@ -450,7 +475,7 @@ def test_gpu_benchmark_on_a_second_gpu(tmp_path):
     torch.cuda.set_device(0)
     cfg = _tiny_cfg(tmp_path, device="cuda:1", impls=("twell-kernel",), cases=("nnz29-heavy",), Ms=(4096,),
                     D=512, H=1536, odd_M=3001, odd_H=1000, energy=True, energy_seconds=0.3)
-    result = bench_ffn.BenchRunner(cfg, registry=default_registry(), progress=False).run()
+    result = bench_ffn.BenchRunner(cfg, registry=default_registry(), progress=False, allow_dirty=True).run()
     assert result["failures"] == [] and bench_ffn.exit_code(result) == 0
     for rec in result["cases"]:
         r = rec["impls"]["twell-kernel"]

@@ -11,20 +11,22 @@ With a checkpoint (``BenchConfig.checkpoint`` and ``tokens``), "real" cases time
 the inputs each of its layers receives from real text (twell.bench.captured), which BENCHMARK.md
 calls the best input of all.
 
+With ``BenchConfig.published`` (a directory with the paper's ``custom_models/``), each case also runs
+the published kernels in a child process beside dense and ours (twell.bench.published): their speed-ups
+from that process, their wrong results and crashes recorded as such. Training cases also time
+``dense-compiled``, the dense expression under torch.compile, a stronger baseline than eager dense.
+
 On CPU everything runs at tiny shapes with perf_counter so the harness itself can be tested;
 those timings are not the protocol and the output says so.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _dt
 import inspect
 import json
 import math
 import os
-import platform
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +40,9 @@ from twell.bench.captured import CapturedInputs, capture_ffn_inputs
 from twell.bench.energy import EnergyMeter, EnergyUnavailable
 from twell.bench.generator import FFNInputs, calibrated_ffn_inputs, gate_activation, sparsity_stats
 from twell.bench.memory import peak_memory_above_baseline
-from twell.bench.provenance import code_line, provenance
-from twell.bench.registry import ImplUnavailable, Registry, default_registry
+from twell.bench.provenance import code_line, dirty_line, run_meta
+from twell.bench import published as published_kernels
+from twell.bench.registry import ImplUnavailable, Registry, default_registry, unsupported_reason
 from twell.bench.timing import time_alternating
 from twell.reference import dense_gated_ffn
 from twell.reference.ffn import UNION_BLOCK
@@ -113,6 +116,20 @@ class BenchConfig:
     real_M: int | None = None                  # tokens per real case (default 65536 on CUDA, 256 on CPU)
     real_seq: int | None = None                # sequence length (default the model's context, at most 1024)
     real_layers: tuple[int, ...] | None = None  # SparseFFN layer indices (default all)
+    dense_compile: str | None = None           # torch.compile backend of the "dense-compiled" training baseline
+                                               # (default inductor on CUDA; "none" skips it, the CPU default)
+    published: str | None = None               # the paper's code (directory holding custom_models/): each case
+                                               # also times published-twell / published-hybrid, in a child process
+    published_timeout: float = 900.0           # seconds per child process before it is killed (and recorded)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchConfig":
+        """The config of ``dataclasses.asdict(cfg)`` after a JSON round trip (lists back to tuples)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+        if kw.get("out") is not None:
+            kw["out"] = Path(kw["out"])
+        return cls(**kw)
 
     def resolved(self) -> "BenchConfig":
         """A copy with every None default filled in for the device."""
@@ -125,6 +142,7 @@ class BenchConfig:
             train_M=16384 if cuda else 256,
             impls=("twell-kernel",) if cuda else ("twell-reference",),
             real_M=65536 if cuda else 256,
+            dense_compile="inductor" if cuda else "none",
         )
         changes = {k: v for k, v in d.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **changes)
@@ -193,6 +211,10 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError("shapes 'real' needs a checkpoint and tokens (--checkpoint, --tokens)")
     if cfg.real_M is not None and cfg.real_M < 1:
         raise ValueError(f"real_M must be >= 1, got {cfg.real_M}")
+    if cfg.published is not None:
+        published_kernels.check_dir(cfg.published)  # names what is missing, before any work
+    if not cfg.published_timeout > 0:
+        raise ValueError(f"published_timeout must be > 0 seconds, got {cfg.published_timeout}")
     for which, H in (("H", cfg.H), ("odd_H", cfg.odd_H)):  # the generator bisects for nnz active of H
         too_dense = [c for c in cfg.cases if H is not None and SPARSITY[c][0] >= H]
         if too_dense:
@@ -366,16 +388,25 @@ class BenchRunner:
     cfg: BenchConfig
     registry: Registry = field(default_factory=default_registry)
     progress: bool = True
+    allow_dirty: bool = False  # a GPU run from a tree with local changes: recorded, marked (else refused)
 
     def __post_init__(self):
         self.cfg = self.cfg.resolved()
         check_config(self.cfg)
         self.captured: CapturedInputs | None = None
-        self.code: dict | None = None  # twell.bench.provenance of the code, taken when run() starts
         self.device = torch.device(self.cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        # A refused tree fails here, before inputs are captured or kernels built; run() looks again.
+        self.started_meta: dict = run_meta(self.device, allow_dirty=self.allow_dirty)
         self.unavailable: dict[str, str] = {}
+        # Inputs to use instead of generating them (a child process gets its parent's), and the last
+        # case's inputs, kept for the published kernels' child process when the config names them.
+        self.preset_inputs: FFNInputs | None = None
+        self.case_inputs: FFNInputs | None = None
+        self.published = (published_kernels.PublishedCases(self.cfg, self.progress)
+                          if self.cfg.published is not None else None)
+        self._dense_compiled: Callable | None = None
         self.infer_fns = self._resolve(self.cfg.impls, "inference")
         self.train_fns = self._resolve(self.cfg.train_impls, "training")
         self.meter, self.energy_note = None, None
@@ -407,13 +438,19 @@ class BenchRunner:
         return self.captured
 
     def _inputs(self, case: Case) -> FFNInputs:
+        if self.preset_inputs is not None:
+            return self.preset_inputs
         if case.kind != "real":
-            return calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed,
-                                         device=self.device)
-        (layer,) = [c for c in self.capture().layers if c.layer == case.layer]
-        dev = self.device
-        return FFNInputs(layer.x.to(dev), layer.w_gate.to(dev), layer.w_up.to(dev), layer.w_down.to(dev),
-                         bias=math.nan, nnz=0.0, tail=0.0, seed=case.seed)
+            inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed,
+                                        device=self.device)
+        else:
+            (layer,) = [c for c in self.capture().layers if c.layer == case.layer]
+            dev = self.device
+            inp = FFNInputs(layer.x.to(dev), layer.w_gate.to(dev), layer.w_up.to(dev), layer.w_down.to(dev),
+                            bias=math.nan, nnz=0.0, tail=0.0, seed=case.seed)
+        if self.published is not None:
+            self.case_inputs = inp
+        return inp
 
     # -------------------------------------------------------------- inference
     def run_inference(self, case: Case) -> dict:
@@ -436,6 +473,10 @@ class BenchRunner:
         calls = {}
         for name, fn in self.infer_fns.items():
             res = rec["impls"][name] = {}
+            why = unsupported_reason(fn, case.M, case.D, case.H)
+            if why:  # a shape it does not run: recorded with the reason, not called, not a failure
+                res["unavailable"] = why
+                continue
             call = (lambda fn=fn: fn(x, wg, wu, wdt))
             poison = Poison(dev, ref.numel() * ref.element_size())
             try:
@@ -485,7 +526,7 @@ class BenchRunner:
     # -------------------------------------------------------------- training
     def run_training(self, case: Case) -> dict:
         cfg, dev = self.cfg, self.device
-        inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed, device=dev)
+        inp = self._inputs(case)
         rec = self._case_header(case, inp)
         leaves = [t.detach().clone().requires_grad_(True) for t in (inp.x, inp.w_gate, inp.w_up, inp.w_down)]
         del inp
@@ -502,8 +543,26 @@ class BenchRunner:
         ref = step(dense_train_ffn)
         calls = {"dense": (lambda: step(dense_train_ffn))}
         names = ("out", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
+        if cfg.dense_compile not in (None, "none"):
+            # The same dense expression, L1 term included, under torch.compile: eager dense pays for
+            # unfused elementwise work that a compiled model does not, which flatters every ratio.
+            comp = rec["dense_compiled"] = {"backend": cfg.dense_compile}
+            try:
+                if self._dense_compiled is None:
+                    self._dense_compiled = torch.compile(dense_train_ffn, backend=cfg.dense_compile, dynamic=False)
+                got = step(self._dense_compiled)  # compiles here, outside the timed region
+                comp["rel_err_parts"] = {n: rel_error(a, b) for n, a, b in zip(names, got, ref)}
+                comp["rel_err"] = max(comp["rel_err_parts"].values())
+                del got
+                calls["dense-compiled"] = (lambda: step(self._dense_compiled))
+            except Exception as exc:  # no compiler toolchain, a graph break that fails: said, run goes on
+                comp["error"] = _short(exc)
         for name, fn in self.train_fns.items():
             res = rec["impls"][name] = {}
+            why = unsupported_reason(fn, case.M, case.D, case.H)
+            if why:
+                res["unavailable"] = why
+                continue
             poison = Poison(dev, ref[0].numel() * ref[0].element_size())
             try:
                 got = step(fn)
@@ -522,14 +581,28 @@ class BenchRunner:
             res["ok"] = bool(res["rel_err"] < cfg.tol) and res["nonfinite"] == 0
             calls[name] = (lambda fn=fn: step(fn))
             del got
+            describe = getattr(fn, "describe", None)
+            if describe is not None:
+                try:
+                    res["info"] = describe(*(t.detach() for t in leaves))
+                except Exception as exc:
+                    res["info"] = {"error": _short(exc)}
         del ref
         timings = time_alternating(calls, dev, cfg.reps, cfg.warmup, cfg.flush_l2)
         rec["dense"]["timing"] = timings["dense"].as_dict()
+        compiled = timings.get("dense-compiled")
+        if compiled is not None:
+            rec["dense_compiled"]["timing"] = compiled.as_dict()
+            rec["dense_compiled"]["speedup"] = timings["dense"].median_ms / compiled.median_ms
         for name in calls:
-            if name != "dense":
-                rec["impls"][name]["timing"] = timings[name].as_dict()
-                rec["impls"][name]["speedup"] = timings["dense"].median_ms / timings[name].median_ms
-        self._energy_memory(rec, calls, case.M)
+            if name in ("dense", "dense-compiled"):
+                continue
+            r = rec["impls"][name]
+            r["timing"] = timings[name].as_dict()
+            r["speedup"] = timings["dense"].median_ms / timings[name].median_ms
+            if compiled is not None:
+                r["speedup_vs_compiled"] = compiled.median_ms / timings[name].median_ms
+        self._energy_memory(rec, {k: v for k, v in calls.items() if k != "dense-compiled"}, case.M)
         return rec
 
     # -------------------------------------------------------------- shared
@@ -562,9 +635,11 @@ class BenchRunner:
         ``on_case(partial_result)`` is called after each case (e.g. to write the results so far,
         so that a run cut short still leaves its numbers); ``partial_result["complete"]`` is False.
         """
-        started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        self.code = provenance()  # the code as the run starts; later edits must not relabel its numbers
+        # The tree as the run starts: later edits must not relabel its numbers.
+        self.started_meta = run_meta(self.device, allow_dirty=self.allow_dirty)
         cases = build_cases(self.cfg, self.capture())
+        if self.published is not None:  # built once, before the first case, in a child process
+            self.published.prepare({"training" if c.kind == "train" else "inference" for c in cases})
         records = []
         bar = None
         if self.progress:
@@ -583,39 +658,42 @@ class BenchRunner:
             records.append(rec)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            if self.published is not None:
+                inp, self.case_inputs = self.case_inputs, None
+                ours = [n for n in (self.train_fns if case.kind == "train" else self.infer_fns)]
+                rec["published"] = self.published.run_case(case, inp, ours)
+                del inp
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             if bar is not None:
                 bar.update(1)
             if on_case is not None and i + 1 < len(cases):
-                on_case(self._result(records, started, complete=False))
+                on_case(self._result(records, complete=False))
         if bar is not None:
             bar.close()
-        return self._result(records, started, complete=True)
+        return self._result(records, complete=True)
 
-    def _result(self, records: list[dict], started: str, complete: bool) -> dict:
+    def _result(self, records: list[dict], complete: bool) -> dict:
         failures = [f"{r['name']}: {n}: {_failure_text(v, self.cfg.tol)}"
-                    for r in records for n, v in r["impls"].items() if not v.get("ok")]
-        res = {"meta": self._meta(started), "complete": complete, "cases": list(records), "failures": failures,
+                    for r in records for n, v in r["impls"].items() if not v.get("ok") and not v.get("unavailable")]
+        res = {"meta": self._meta(), "complete": complete, "cases": list(records), "failures": failures,
                "unavailable": dict(self.unavailable)}
         if self.captured is not None:
             res["real_inputs"] = dict(self.captured.source)
+        if self.published is not None:
+            res["published"] = published_kernels.result_block(self.published, res, self.cfg.tol)
         return res
 
-    def _meta(self, started: str) -> dict:
+    def _meta(self) -> dict:
         dev = self.device
         cfg = dataclasses.asdict(self.cfg)
         cfg["out"] = str(cfg["out"]) if cfg["out"] is not None else None
         cfg["checkpoint"] = str(cfg["checkpoint"]) if cfg["checkpoint"] is not None else None
         cfg["tokens"] = str(cfg["tokens"]) if cfg["tokens"] is not None else None
         below = protocol_deviations(cfg, self.energy_note)
-        meta = {
-            "timestamp": started,
+        return {
+            **self.started_meta,  # versions, device, command line, start time, code and tree (run_meta)
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "device": str(dev),
-            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
             "clock": "cuda-events" if dev.type == "cuda" else "perf_counter",
             "protocol": (CPU_NOTE if dev.type != "cuda" else "below shared/BENCHMARK.md (protocol_deviations)"
                          if below else "shared/BENCHMARK.md"),
@@ -624,25 +702,9 @@ class BenchRunner:
             # Settings the kernels read from the environment (union rule, paths, dense-row capacity).
             "twell_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TWELL_")},
             "energy_note": self.energy_note,
-            "argv": sys.argv,
-            "code": self.code or provenance(),  # which kernels and package made these numbers
             "poison": ("freed allocator blocks filled with 0xFF before each correctness call; poison_hit says "
                        "whether the output landed in one" if dev.type == "cuda" else "n/a on CPU"),
         }
-        if dev.type == "cuda":
-            meta["cudnn"] = torch.backends.cudnn.version()
-            meta["driver"] = _driver_version()
-        return meta
-
-
-def _driver_version() -> str | None:
-    with contextlib.suppress(Exception):
-        import pynvml
-
-        pynvml.nvmlInit()
-        v = pynvml.nvmlSystemGetDriverVersion()
-        return v.decode() if isinstance(v, bytes) else v
-    return None
 
 
 def _failure_text(res: dict, tol: float) -> str:
@@ -681,6 +743,8 @@ def markdown_report(result: dict) -> str:
              f"median of {meta['config']['reps']} reps; tolerance rel. error < {tol:g} vs dense bf16.", ""]
     if meta.get("code"):
         lines += [code_line(meta["code"]), ""]
+    if dirty_line(meta):
+        lines += [dirty_line(meta), ""]
     if meta["device"] == "cpu" or meta["device"].startswith("cpu"):
         lines += [f"> {CPU_NOTE}", ""]
     elif meta.get("protocol_deviations"):
@@ -705,11 +769,14 @@ def markdown_report(result: dict) -> str:
     if train:
         lines += ["## Training FFN (forward + backward, L1 term included)", "",
                   "| case | M | D x H | target nnz / tail | measured nnz mean / max | max per tile | overflow rows at C 8 "
-                  "| impl | dense ms | sparse ms | speedup | rel. error | status |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| impl | dense ms | sparse ms | speedup | rel. error | dense compiled ms | speedup vs compiled "
+                  "| status |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in train:
             lines += _rows(r, tol, with_gate=False)
         lines.append("")
+        lines += _compiled_notes(train)
+    lines += published_kernels.markdown_section(result)
     lines += ["## Energy and memory", ""]
     measured = any(("joules_per_token" in r["dense"]) or ("peak_bytes_above_inputs" in r["dense"]
                                                            and r["dense"]["peak_bytes_above_inputs"] is not None)
@@ -728,6 +795,12 @@ def markdown_report(result: dict) -> str:
         for name, v in impls.items():
             lines.append(f"| {r['name']} | {name} | {_jt(d.get('joules_per_token'))} | {_jt(v.get('joules_per_token'))} "
                          f"| {_mb(d.get('peak_bytes_above_inputs'))} | {_mb(v.get('peak_bytes_above_inputs'))} |")
+        for name, v in r.get("published", {}).items():  # beside the dense of its own (child) process
+            if v.get("status") == "done":
+                pd = v.get("same_process", {}).get("dense_energy_memory", {})
+                lines.append(f"| {r['name']} | {name} (child process) | {_jt(pd.get('joules_per_token'))} "
+                             f"| {_jt(v.get('joules_per_token'))} | {_mb(pd.get('peak_bytes_above_inputs'))} "
+                             f"| {_mb(v.get('peak_bytes_above_inputs'))} |")
     if any("rel_err_vs_fp32" in r["dense"] for r in result["cases"]):
         lines += ["", "Context: rel. error of dense bf16 vs an fp32 FFN of the same inputs: " + ", ".join(
             f"{r['name']}: {r['dense']['rel_err_vs_fp32']:.2e}" for r in result["cases"] if "rel_err_vs_fp32" in r["dense"])]
@@ -756,6 +829,22 @@ def _inference_notes(result: dict, infer: list[dict]) -> list[str]:
     return lines
 
 
+def _compiled_notes(train: list[dict]) -> list[str]:
+    """What the compiled dense baseline gained over eager dense, or why it is missing."""
+    done = [f"{r['name']}: {r['dense_compiled']['speedup']:.2f}x" for r in train
+            if "speedup" in r.get("dense_compiled", {})]
+    failed = [f"{r['name']}: {r['dense_compiled']['error']}" for r in train if "error" in r.get("dense_compiled", {})]
+    lines = []
+    if done:
+        backend = train[0]["dense_compiled"]["backend"]
+        lines += [f"Dense compiled (torch.compile, backend {backend}, the same expression with the L1 term) over "
+                  "eager dense: " + "; ".join(done) + ". \"speedup vs compiled\" is each implementation's ratio "
+                  "against it.", ""]
+    if failed:
+        lines += ["Dense compiled failed: " + "; ".join(failed), ""]
+    return lines
+
+
 def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
     c, s = r["case"], r["sparsity"]
     target = "captured" if c["kind"] == "real" else f"{c['nnz']:g} / {c['tail']:g}"
@@ -763,17 +852,28 @@ def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
             f"| {s['mean_active']:.1f} / {s['max_active']} | {s['max_per_tile']} | {s['overflow_rows']} ")
     dense = r["dense"].get("timing")
     gate = f" {_ms(r.get('gate', {}).get('timing'))} | {r['ceiling']:.2f}x |" if with_gate else ""
+    compiled = "" if with_gate else f" {_ms(r.get('dense_compiled', {}).get('timing'))} |"
     impls = r["impls"] or {"-": None}
     rows = []
     for name, v in impls.items():
+        vs_comp = "" if with_gate else f" {_speedup(v.get('speedup_vs_compiled')) if v else '-'} |"
         if v is None:
-            rows.append(f"{head}| - | {_ms(dense)} | - | - | - |{gate} no sparse impl |")
+            rows.append(f"{head}| - | {_ms(dense)} | - | - | - |{gate}{compiled}{vs_comp} no sparse impl |")
+            continue
+        if v.get("unavailable"):
+            rows.append(f"{head}| {name} | {_ms(dense)} | - | - | - |{gate}{compiled}{vs_comp} "
+                        f"n/a: {v['unavailable']} |")
             continue
         status = "ok" if v.get("ok") else f"**FAIL** ({_failure_text(v, tol)})"
         err = f"{v['rel_err']:.2e}" if v.get("rel_err") is not None else "-"
         sp = f"{v['speedup']:.2f}x" if "speedup" in v else "-"
-        rows.append(f"{head}| {name} | {_ms(dense)} | {_ms(v.get('timing'))} | {sp} | {err} |{gate} {status} |")
+        rows.append(f"{head}| {name} | {_ms(dense)} | {_ms(v.get('timing'))} | {sp} | {err} |{gate}{compiled}{vs_comp}"
+                    f" {status} |")
     return rows
+
+
+def _speedup(v) -> str:
+    return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
 
 
 def device_slug(device_name: str) -> str:
@@ -799,7 +899,10 @@ def write_outputs(result: dict, out_dir: Path, tag: str = "") -> tuple[Path, Pat
 
 
 def exit_code(result: dict) -> int:
-    """1 when an implementation failed (wrong, non-finite or raised), 2 when one was unavailable, else 0."""
+    """1 when an implementation failed (wrong, non-finite or raised), 2 when one was unavailable (the
+    published kernels included: asked for, not built), else 0. The published kernels' own wrong results
+    and crashes are findings about them, listed in ``result["published"]["failures"]``: they do not make
+    a run fail."""
     if result["failures"]:
         return 1
-    return 2 if result["unavailable"] else 0
+    return 2 if result["unavailable"] or result.get("published", {}).get("unavailable") else 0

@@ -11,6 +11,12 @@ the recipe's hidden activation (as in SparseFFN); the harness runs the backward.
 
 A factory returns the callable or raises ImplUnavailable(reason); it runs only when the
 implementation is asked for, so a registry can name kernels that do not build here.
+
+A callable that runs only some shapes carries ``unsupported(M, D, H) -> str | None`` (the reason, or
+None): the harness then records that case as unavailable for it, with the reason, instead of calling it
+(a shape limit is a property of the implementation, not a wrong answer). The published kernels'
+adapters (twell.bench.published: "published-twell", "published-hybrid") are registered from a
+directory with :func:`twell.bench.published.register`.
 """
 from __future__ import annotations
 
@@ -55,6 +61,12 @@ class Registry:
         if kind not in ("inference", "training"):
             raise ValueError(f"kind must be 'inference' or 'training', got {kind!r}")
         return self.inference if kind == "inference" else self.training
+
+
+def unsupported_reason(fn: Callable, M: int, D: int, H: int) -> str | None:
+    """Why ``fn`` cannot run a case of [M, D] x [H, D] (its ``unsupported`` attribute), or None."""
+    check = getattr(fn, "unsupported", None)
+    return check(M, D, H) if check is not None else None
 
 
 def _twell_kernel() -> Callable:
