@@ -43,7 +43,7 @@
 #   BENCH_GPU=0 ACTIVITY_GPU=1 EVAL_GPUS="2 3"   GPUs of the steps (eval: sparse, dense)
 #   BENCH_SEQ              prefill/training sequence of the model benchmark (default: the run's seq_len)
 #   BENCH_ARGS="..."       more arguments of `twell.bench model`; ACTIVITY_ARGS: of `twell.bench activity`
-#   EVAL_TASKS="piqa commonsense_qa"   EVAL_LIMIT= (documents per task; empty: all)   EVAL_SPARSE_PATH=auto
+#   EVAL_TASKS="arc_easy ... commonsense_qa" (default: the paper's seven)   EVAL_LIMIT= (documents per task; empty: all)   EVAL_SPARSE_PATH=auto
 #   EVAL_BATCH=auto        lm-eval batch size
 #   STEP_LIMIT_S=420       time limit of each bench step (it is stopped after that; what it wrote stays)
 #   EVAL=1                 0: no downstream evaluation (no eval steps, no comparison)
@@ -232,7 +232,7 @@ bench_phase() {
     start activity "${ACTIVITY_GPU:-1}" "$limit" python3 -m twell.bench activity "$SPARSE_RUN/final" \
         --dense-checkpoint "$DENSE_RUN/final" ${prepared:+--tokens "$prepared"} --seq "$seq" --label "$SCALE" \
         --device "$DEVICE" --out "$STAGE/activity_$SCALE.json" ${ACTIVITY_ARGS:-}
-    local tasks=(${EVAL_TASKS:-piqa commonsense_qa})
+    local tasks=(${EVAL_TASKS:-arc_easy arc_challenge hellaswag openbookqa piqa winogrande commonsense_qa})
     if [ "${EVAL:-1}" = 1 ]; then
         start eval_sparse "${eval_gpus[0]}" "$limit" python3 -m twell.eval run "$SPARSE_RUN/final" --name sparse \
             --ffn-path "${EVAL_SPARSE_PATH:-auto}" --tasks "${tasks[@]}" --limit "${EVAL_LIMIT:-none}" --device "$DEVICE" \

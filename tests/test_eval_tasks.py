@@ -185,3 +185,15 @@ def test_every_parquet_shard_of_a_split_is_used(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"question": "?", "label": 0}]), shards[1])
     with pytest.raises(TaskSchemaError, match=r"validation-00001-of-00002\.parquet.*\['goal', 'sol1', 'sol2'\]"):
         resolve_task_sources(["piqa"], data_dir=tmp_path)
+
+
+def test_the_offline_data_file_names_are_found(tmp_path):
+    """<task>_<split>.jsonl (winogrande_xl_<split>.jsonl), as <shared data>/eval ships them, besides <split>.jsonl."""
+    from twell.eval.fixtures import SHIPPED_FILES, write_fixture_tasks
+
+    write_fixture_tasks(tmp_path, {t: fixture_rows(t, 2) for t in PAPER_TASKS})
+    for src in resolve_task_sources(PAPER_TASKS, data_dir=tmp_path):
+        assert src.kind == "local" and src.fixture
+        assert src.files == {src.eval_split: str((tmp_path / src.task / SHIPPED_FILES[src.task]).resolve())}
+    assert "winogrande_xl_validation.jsonl" in split_file_candidates("winogrande", "validation")
+    assert "openbookqa_test.jsonl" in split_file_candidates("openbookqa", "test")

@@ -6,6 +6,10 @@ The token stream is cut into ``n = (N - 1) // seq_len`` blocks; block ``b`` is t
 ``perm_epoch`` is a permutation seeded by ``(seed, epoch)``. The data order is therefore a pure
 function of the step: resuming at step ``s`` continues exactly, and splitting a step's
 ``global_batch`` over ranks and micro-batches visits the same sequences as one process does.
+
+``TrainOrder(..., max_epochs=1)`` refuses any sample past the first pass, so a unique-token run
+(``data.max_epochs``) cannot repeat a block even when the up-front check (:mod:`twell.data.budget`)
+was skipped.
 """
 from __future__ import annotations
 
@@ -37,9 +41,10 @@ class TokenBlocks:
 class TrainOrder:
     """The deterministic, epoch-wise shuffled order of training blocks (see module docstring)."""
 
-    def __init__(self, blocks: TokenBlocks, seed: int):
+    def __init__(self, blocks: TokenBlocks, seed: int, *, max_epochs: float | None = None):
         self.blocks = blocks
         self.seed = int(seed)
+        self.max_epochs = max_epochs  # None: any number of passes
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -53,6 +58,10 @@ class TrainOrder:
     def block_ids(self, start: int, count: int) -> np.ndarray:
         """Block ids of global samples ``start .. start + count - 1``."""
         n = self.blocks.n_blocks
+        if self.max_epochs is not None and start + count > self.max_epochs * n:
+            raise ValueError(f"training sample {start + count - 1} is past data.max_epochs = {self.max_epochs:g} "
+                             f"pass(es) over the {n} training blocks: the run would repeat tokens; lower train.steps "
+                             "or add training data (see twell.data.budget.check_token_budget)")
         g = np.arange(start, start + count, dtype=np.int64)
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(g // n):

@@ -119,6 +119,82 @@ def write_fixture_task_data(root: str | Path, *, n_docs: int = 6, seed: int = 0)
     return root
 
 
+# The scored split of each task and the file name the offline data gives it (<shared data>/eval/<task>/...).
+SHIPPED_FILES = {
+    "arc_easy": "arc_easy_test.jsonl", "arc_challenge": "arc_challenge_test.jsonl",
+    "hellaswag": "hellaswag_validation.jsonl", "openbookqa": "openbookqa_test.jsonl", "piqa": "validation.jsonl",
+    "winogrande": "winogrande_xl_validation.jsonl", "commonsense_qa": "dev_rand_split.jsonl",
+}
+_SIX = tuple(w for w in _WORDS if len(w) == 6)
+
+
+def answer_count(task: str, row: dict) -> int:
+    """Answer options of a FIXTURE (or real) row in the task's hub schema."""
+    if task in ("piqa", "winogrande"):
+        return 2
+    if task == "hellaswag":
+        return len(row["endings"])
+    return len(row["choices"]["label"])
+
+
+def with_gold(task: str, row: dict, index: int) -> dict:
+    """A copy of ``row`` whose correct answer is option ``index`` (0-based), written the way the task's hub
+    schema writes it: ARC / OpenBookQA / CommonsenseQA the option's label, HellaSwag the index as text,
+    PIQA the index, WinoGrande "1" or "2"."""
+    if not 0 <= index < answer_count(task, row):
+        raise ValueError(f"{task}: option {index} out of range (the row has {answer_count(task, row)})")
+    row = json.loads(json.dumps(row))
+    if task in ("arc_easy", "arc_challenge", "openbookqa", "commonsense_qa"):
+        row["answerKey"] = row["choices"]["label"][index]
+    elif task == "hellaswag":
+        row["label"] = str(index)
+    elif task == "piqa":
+        row["label"] = index
+    elif task == "winogrande":
+        row["answer"] = str(index + 1)
+    else:
+        raise ValueError(f"no fixture schema for task {task!r}")
+    return row
+
+
+def even_fixture_rows(task: str, n: int, *, seed: int = 0) -> list[dict]:
+    """FIXTURE rows whose answer options all have one length (two six-letter words), so that lm-eval's
+    length-normalised acc_norm ranks the options as acc does: a model's preferred option wins under both."""
+    rng = random.Random(f"even-{task}-{seed}")
+    rows = fixture_rows(task, n, seed=seed)
+
+    def options(k: int) -> list[str]:
+        out: list[str] = []
+        while len(out) < k:
+            phrase = f"{rng.choice(_SIX)} {rng.choice(_SIX)}"
+            if phrase not in out:
+                out.append(phrase)
+        return out
+
+    for row in rows:
+        if task in ("arc_easy", "arc_challenge", "openbookqa"):
+            row["choices"]["text"] = options(len(row["choices"]["label"]))
+        elif task == "hellaswag":
+            row["endings"] = [o + "." for o in options(4)]
+        elif task == "piqa":
+            row["sol1"], row["sol2"] = options(2)
+        # WinoGrande and CommonsenseQA report acc only (their options are contexts / the letters A-E)
+    return rows
+
+
+def write_fixture_tasks(root: str | Path, rows: dict[str, list[dict]]) -> Path:
+    """Write FIXTURE ``rows`` per task as ``<root>/<task>/<file>`` under the names the offline data uses
+    (:data:`SHIPPED_FILES`), marked by FIXTURE_README.txt; returns ``root``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "FIXTURE_README.txt").write_text(FIXTURE_NOTE)
+    for task, task_rows in rows.items():
+        if task not in SHIPPED_FILES:
+            raise ValueError(f"no fixture file name for task {task!r}; have {sorted(SHIPPED_FILES)}")
+        _write_jsonl(root / task / SHIPPED_FILES[task], task_rows)
+    return root
+
+
 def build_fixture_tokenizer(vocab_size: int = 320):
     """Byte-level BPE (any text encodes) trained on generated FIXTURE sentences; no download."""
     from twell.data.tokenizer import train_bpe

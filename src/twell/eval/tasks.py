@@ -17,7 +17,9 @@ read for scoring. A task without local data uses the built-in YAML as is (hub do
 it is tried from the Hugging Face cache and otherwise reported as skipped with the reason.
 
 Local layout (hub schema, one JSON object per line; ``.json`` and ``.parquet`` are accepted too,
-and hub parquet shards ``<split>-*.parquet``, all of them)::
+and hub parquet shards ``<split>-*.parquet``, all of them; each ``<split>.jsonl`` may also be named
+``<task>_<split>.jsonl``, ``winogrande_xl_<split>.jsonl`` for WinoGrande, as the offline data ships them,
+and the original releases' names listed in ``TaskSpec.aliases`` are found too)::
 
     <data_dir>/arc_easy/test.jsonl            allenai/ai2_arc ARC-Easy        id question choices{text,label} answerKey
     <data_dir>/arc_challenge/test.jsonl       allenai/ai2_arc ARC-Challenge   (same fields)
@@ -60,10 +62,16 @@ class TaskSpec:
     lm_eval_dir: str  # sub-directory of lm_eval/tasks holding the built-in YAML
     fields: tuple[str, ...]  # top-level fields the built-in prompt templates read
     aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # original file names per split
-    headline: str = "acc_norm"  # metric of the summary row: acc_norm where the task defines it, else acc
+    headline: str = "acc_norm"  # the metric the paper reports for the task (see TASK_SPECS)
     choices: int = 4  # answer options per question: chance accuracy is 1 / choices (ARC: most questions have 4)
+    file_stem: str | None = None  # <file_stem>_<split>.jsonl is accepted too (default: the task name)
 
 
+# The one table of which metric each task reports (``headline``), as the paper's tables do: acc_norm (lm-eval's
+# accuracy with each answer's log-likelihood divided by its length in characters) for ARC-Easy, ARC-Challenge,
+# HellaSwag, OpenBookQA and PIQA; acc for WinoGrande (lm-eval scores the fixed continuation after each option,
+# so it defines no acc_norm) and CommonsenseQA (the answers are the letters A-E, of one length: lm-eval defines
+# only acc). The paper's average is the plain mean of these seven numbers (twell.eval.paper_table).
 TASK_SPECS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -74,7 +82,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         TaskSpec("openbookqa", "openbookqa", ("question_stem", "choices", "answerKey")),
         TaskSpec("piqa", "piqa", ("goal", "sol1", "sol2", "label"), choices=2),
         TaskSpec("winogrande", "winogrande", ("sentence", "option1", "option2", "answer"), headline="acc",
-                 choices=2),
+                 choices=2, file_stem="winogrande_xl"),
         TaskSpec("commonsense_qa", "commonsense_qa", ("question", "choices", "answerKey"),
                  {"validation": ("dev_rand_split.jsonl",), "train": ("train_rand_split.jsonl",)}, headline="acc",
                  choices=5),
@@ -99,7 +107,8 @@ def task_spec(name: str) -> TaskSpec:
 def split_file_candidates(task: str, split: str) -> list[str]:
     """File names accepted for ``split`` of ``task`` under ``<data_dir>/<task>/``, in lookup order."""
     spec = task_spec(task)
-    return [*spec.aliases.get(split, ()), f"{split}.jsonl", f"{split}.json", f"{split}.parquet", f"{split}-*.parquet"]
+    return [*spec.aliases.get(split, ()), f"{split}.jsonl", f"{spec.file_stem or task}_{split}.jsonl", f"{split}.json",
+            f"{split}.parquet", f"{split}-*.parquet"]
 
 
 @dataclass
