@@ -26,13 +26,18 @@ def _weights(M, D, H, seed, scale=1.0, device="cuda"):
     return [t.to(torch.bfloat16).to(device) for t in (x, *ws)]  # x, w_gate, w_up, w_down_t
 
 
+def _dense_fp32(x, w_gate, w_up, w_down_t):
+    """The same FFN in dense fp32 PyTorch: relu(x w_gate^T) * (x w_up^T), then w_down."""
+    xf = x.float()
+    return (torch.relu(xf @ w_gate.float().t()) * (xf @ w_up.float().t())) @ w_down_t.float()
+
+
 def check(x, w_gate, w_up, w_down_t, factor=2.0, floor=2e-3):
     """Kernel within ``factor`` x dense bf16's error against fp32 (+ floor), and near the reference."""
     got = kernels.decode_gated_ffn(x, w_gate, w_up, w_down_t)
     ref = decode_gated_ffn(x, w_gate, w_up, w_down_t)
     dense = dense_gated_ffn(x, w_gate, w_up, w_down_t.t())
-    xf = x.float()
-    truth = (torch.relu(xf @ w_gate.float().t()) * (xf @ w_up.float().t())) @ w_down_t.float()
+    truth = _dense_fp32(x, w_gate, w_up, w_down_t)
     assert got.shape == x.shape and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all()
     e_k, e_d = _rel(got, truth), _rel(dense, truth)
@@ -79,9 +84,11 @@ def test_nan_row_stays_in_its_row():
     out = kernels.decode_gated_ffn(x, w_gate, w_up, w_down_t)
     assert torch.isnan(out[2]).all()
     keep = [0, 1, 3, 4]
-    ref = decode_gated_ffn(x[keep].contiguous(), w_gate, w_up, w_down_t)
+    xk = x[keep].contiguous()
     assert torch.isfinite(out[keep]).all()
-    assert _rel(out[keep], ref) < 1e-2
+    truth, dense = _dense_fp32(xk, w_gate, w_up, w_down_t), dense_gated_ffn(xk, w_gate, w_up, w_down_t.t())
+    assert _rel(out[keep], truth) <= 2 * _rel(dense, truth) + 2e-3
+    assert _rel(out[keep], decode_gated_ffn(xk, w_gate, w_up, w_down_t)) < 1e-2
 
 
 def test_deterministic():
@@ -167,7 +174,8 @@ def _layer(w_gate, w_up, w_down_t):
 def test_module_picks_its_path_by_rows():
     """"auto" (defaults): the decoding op up to decode_rows rows, dense inside dense_rows, the large-batch op
     past it; "kernel": the decoding op at few rows too; decode_rows = 0 turns the decoding op off."""
-    inp = calibrated_ffn_inputs(3000, 512, 1024, 6, tail=0.0, seed=11, device="cuda")
+    # 2 of 1024 active (0.2%): under "auto"'s activity ceiling at every row count, so rows alone decide
+    inp = calibrated_ffn_inputs(3000, 512, 1024, 2, tail=0.0, seed=11, device="cuda")
     w_down_t = inp.w_down.t().contiguous()
     f = _layer(inp.w_gate, inp.w_up, w_down_t)
     with torch.no_grad():
@@ -178,7 +186,7 @@ def test_module_picks_its_path_by_rows():
             out = f(x)
             assert f.last_path == "twell-kernel"
             assert torch.equal(out, kernels.decode_gated_ffn(x, inp.w_gate, inp.w_up, w_down_t)), m
-        for m in (f.decode_rows + 1, 500, 2048):
+        for m in (f.decode_rows + 1, 500, 2047):
             out = f(inp.x[:m])
             assert f.last_path == "dense" and "dense_rows" in f.auto_note, m
         f.decode_rows, f.dense_rows = 32, (33, 2048)

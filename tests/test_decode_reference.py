@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from twell.nn import routing
 from twell.reference import DECODE_MAX_ROWS, decode_gated_ffn, dense_gated_ffn
 
 
@@ -26,11 +27,16 @@ def test_equals_dense(M, D, H):
 
 def test_skips_inactive_neurons_even_non_finite():
     x, w_gate, w_up, w_down_t = _inputs(2, 64, 10, seed=0)
-    w_gate[3] = -w_gate[3].abs() * 0 - 1  # never active for x >= 0 rows
+    w_gate[3] = -1  # never active for x >= 0 rows
     x = x.abs()
-    w_up[3] = float("inf")
+    assert (x.float() @ w_gate[3].float() < 0).all()
+    # The same FFN without neuron 3, in dense PyTorch: what skipping it must give.
+    others = [n for n in range(10) if n != 3]
+    want = dense_gated_ffn(x, w_gate[others], w_up[others], w_down_t[others].t())
+    w_up[3] = float("inf")  # read, it would make 0 * inf = NaN
     out = decode_gated_ffn(x, w_gate, w_up, w_down_t)
-    assert torch.isfinite(out).all()
+    # one bf16 rounding apart at most, as in test_equals_dense (dropping any active neuron breaks it)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=1e-6)
 
 
 def test_nan_gate_is_active():
@@ -96,8 +102,8 @@ def test_auto_measures_activity_on_a_dense_rows_call(monkeypatch):
     from twell.nn import SparseFFN
 
     f = SparseFFN(64, 96).to(torch.bfloat16)
-    monkeypatch.setattr(f, "auto_route", lambda x: ("kernel", ""))
-    x = torch.randn(100, 64).bfloat16()  # inside dense_rows (17-2048)
+    monkeypatch.setattr(routing, "auto_route", lambda state, x: ("kernel", ""))  # the kernels' route, forced
+    x = torch.randn(100, 64).bfloat16()  # inside dense_rows (17-1023)
     with torch.no_grad():
         out = f(x)
         want = f.down_proj(torch.relu(f.gate_proj(x)) * f.up_proj(x))
@@ -119,7 +125,7 @@ def test_dense_by_activity_layer_takes_the_decoding_op_on_few_rows(monkeypatch):
     from twell.nn.ffn import DECODE_MAX_UNION
 
     f = SparseFFN(64, 96).to(torch.bfloat16)
-    monkeypatch.setattr(f, "auto_route", lambda x: ("kernel", ""))
+    monkeypatch.setattr(routing, "auto_route", lambda state, x: ("kernel", ""))  # the kernels' route, forced
     monkeypatch.setattr(twell.kernels, "decode_gated_ffn_trusted", decode_gated_ffn, raising=False)
     f._set_activity(0.03)
     assert f._auto_dense and f.decode_max_rows() == 9 and "but for the decoding op" in f.auto_note

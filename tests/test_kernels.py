@@ -18,17 +18,10 @@ from conftest import put_nonfinite
 from twell import kernels, reference
 from twell.formats import pack_twell
 from twell.kernels.ops import SPARSE_FFN_COMPRESSION
-from twell.reference.ffn import UNION_RULE
+from twell.reference.ffn import GATE_CLUSTER, UNION_OFF, UNION_RULE
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_ready")]
-
-
-@pytest.fixture(autouse=True)
-def _no_path_settings(monkeypatch):
-    """Every test starts from the default paths, whatever the shell exports (the README tells users
-    to set TWELL_UNION_*); tests that want a setting set it themselves."""
-    for name in ("TWELL_UNION_RATIO", "TWELL_UNION_BASE", "TWELL_DENSE_CAP"):
-        monkeypatch.delenv(name, raising=False)
+# The seed fixture: random inputs, and a failure names its seed.
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_ready", "seed")]
 
 
 def poison_allocator(shape, dtype):
@@ -45,7 +38,8 @@ def poison_allocator(shape, dtype):
 def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), zero_rows=(), dead=0.0):
     """BENCHMARK.md-style inputs: per-row scale exp(tail * N(0,1)), column 0 = 1 carries the offset.
     ``dead``: fraction of neurons that never fire (as in trained models), the others share ``nnz``."""
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    # no seed: one from torch's generator, which the seed fixture seeded
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
     x = torch.randn(M, D, generator=g) * torch.exp(tail * torch.randn(M, 1, generator=g))
     x[:, 0] = 1
     w_gate = torch.randn(H, D, generator=g) / math.sqrt(D)
@@ -67,22 +61,23 @@ def inputs(M, D, H, nnz=None, tail=0.1, offset=None, seed=None, dense_rows=(), z
     return [t.to(torch.bfloat16).cuda() for t in (x, w_gate, w_up, w_down)]
 
 
-@pytest.fixture(params=["0", "1", "1e9"], ids=["per-row", "union-auto", "union-always"])
-def fused_path(request, monkeypatch):
-    """Run a test on each path of the fused kernel: per-row only, and the block-union path at its
-    rule and wherever it applies (csrc/twell_union.cu: gated, D a multiple of 512). The C++ side reads
-    the variable per call."""
-    monkeypatch.setenv("TWELL_UNION_RATIO", request.param)
+@pytest.fixture(params=[UNION_OFF, (1.0, 0.0), (1e9, 0.0)], ids=["per-row", "union-auto", "union-always"])
+def fused_path(request):
+    """Run a test on each path of the fused kernel: per-row only, and the block-union path at a plain
+    ratio rule and wherever it applies (csrc/twell_union.cu: gated, D a multiple of 512). The test
+    passes it as ``union=`` to every gated op it calls, and as a module's ``union``."""
     return request.param
 
 
 def module_with(wg, wu, wd):
     """A bf16 SparseFFN on the GPU holding the given gate/up/down weights (path "auto", with no row range
-    sent to dense: these tests are about the kernels; tests/test_decode_kernels.py tests the row rule)."""
+    sent to dense and no activity ceiling by rows: these tests are about the kernels;
+    tests/test_decode_kernels.py and tests/test_routing_gpu.py test the row rules)."""
     from twell.nn import SparseFFN
 
     ffn = SparseFFN(wg.shape[1], wg.shape[0]).to(device="cuda", dtype=torch.bfloat16)
     ffn.dense_rows = None
+    ffn.auto_ceilings = ()  # the activity threshold alone, at any row count
     with torch.no_grad():
         ffn.gate_proj.weight.copy_(wg)
         ffn.up_proj.weight.copy_(wu)
@@ -166,7 +161,7 @@ def test_sparse_gated_ffn_matches_reference(M, D, H, nnz, tail, fused_path):
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
     ptr = poison_allocator((M, D), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path)
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
 
@@ -177,12 +172,13 @@ def test_empty_batches(fused_path):
     x, wg, wu, wd = inputs(64, 512, 1024, nnz=12)
     wdt = wd.t().contiguous()
     empty = x[:0]
-    assert kernels.sparse_gated_ffn(empty, wg, wu, wdt).shape == (0, 512)
+    assert kernels.sparse_gated_ffn(empty, wg, wu, wdt, union=fused_path).shape == (0, 512)
     gate = kernels.twell_gate(empty, wg)
     assert gate.n_rows == 0 and gate.n_overflow_rows == 0
-    assert kernels.twell_gated_ffn(empty, gate, wu, wdt).shape == (0, 512)
+    assert kernels.twell_gated_ffn(empty, gate, wu, wdt, union=fused_path).shape == (0, 512)
     assert kernels.twell_ffn(kernels.twell_gate(empty, wu), wdt).shape == (0, 512)
     ffn = module_with(wg, wu, wd)
+    ffn.union = fused_path
     with torch.no_grad():
         assert ffn(x[:0].view(2, 0, 512)).shape == (2, 0, 512) and ffn.last_path == "twell-kernel"
         assert ffn._auto_dense is None  # not measured on no tokens
@@ -209,14 +205,16 @@ def test_rows_past_2_to_the_31_elements(fused_path):
     rows = torch.cat([torch.arange(0, 4), torch.arange(edge - 6, edge + 6), torch.arange(M - 6, M)]).cuda()
     wdt = wd.t().contiguous()
     for op in (kernels.sparse_gated_ffn, two_ops):
-        check_ffn(op(x, wg, wu, wdt)[rows], x[rows], wg, wu, wd)
+        check_ffn(op(x, wg, wu, wdt, union=fused_path)[rows], x[rows], wg, wu, wd)
     out = kernels.twell_ffn(kernels.twell_gate(x, wu), wdt)
     check_ffn(out[rows], x[rows], None, wu, wd, gated=False)
 
 
-def two_ops(x, wg, wu, wdt, tile=256, compression=8):
-    """The gated FFN as two ops (gate, then fused), which the one-op call must equal bit for bit."""
-    return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg, tile, compression), wu, wdt)
+def two_ops(x, wg, wu, wdt, tile=256, compression=8, union=None):
+    """The gated FFN as two ops (gate, then fused), which the one-op call must equal bit for bit; at the
+    published compression 8 by default, where the one op's default is 16 (same bits while the spill
+    area holds the fuller tiles)."""
+    return kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg, tile, compression), wu, wdt, union=union)
 
 
 def poison_twell_blocks(M, H, tile=256, compression=SPARSE_FFN_COMPRESSION):
@@ -225,7 +223,7 @@ def poison_twell_blocks(M, H, tile=256, compression=SPARSE_FFN_COMPRESSION):
     gate kernel released it would find the right words anyway."""
     n_tiles = -(-H // tile)
     poison_allocator((M, n_tiles * (tile // compression)), torch.int32)
-    poison_allocator((kernels.load().sparse_ffn_spill_words(M),), torch.int32)
+    poison_allocator((kernels.sparse_ffn_spill_words(M),), torch.int32)
 
 
 @pytest.mark.parametrize("M,D,H", SHAPES)
@@ -239,9 +237,9 @@ def test_one_op_ffn_equals_gate_then_fused(M, D, H, tile, compression, nnz, tail
     x, wg, wu, wd = inputs(M, D, H, nnz=min(nnz, H // 2), tail=tail, dense_rows=[0] if M > 1 else [],
                            zero_rows=[M - 1] if M > 2 else [])
     wdt = wd.t().contiguous()
-    ref = two_ops(x, wg, wu, wdt, tile, compression)
+    ref = two_ops(x, wg, wu, wdt, tile, compression, union=fused_path)
     poison_twell_blocks(M, H, tile, compression)
-    out = kernels.sparse_gated_ffn(x, wg, wu, wdt, tile, compression)
+    out = kernels.sparse_gated_ffn(x, wg, wu, wdt, tile, compression, union=fused_path)
     check_ffn(out, x, wg, wu, wd)
     assert torch.equal(out, ref)
 
@@ -279,8 +277,8 @@ def test_one_op_ffn_with_a_full_spill_area(fused_path):
     gate = kernels.twell_gate(x, wg)
     assert gate.n_spilled_tiles > 0 and gate.n_overflow_rows > 1000  # spilled, then the area was full
     wdt = wd.t().contiguous()
-    check_ffn(kernels.sparse_gated_ffn(x, wg, wu, wdt), x, wg, wu, wd)
-    check_ffn(two_ops(x, wg, wu, wdt), x, wg, wu, wd)
+    check_ffn(kernels.sparse_gated_ffn(x, wg, wu, wdt, union=fused_path), x, wg, wu, wd)
+    check_ffn(two_ops(x, wg, wu, wdt, union=fused_path), x, wg, wu, wd)
 
 
 # Row word sizes (n_tiles * S words) that earlier light kernels staged through their weight ring and
@@ -293,7 +291,7 @@ def test_fused_kernel_paths_for_row_word_sizes(M, D, H, tile, compression, fused
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[1])
     gate = kernels.twell_gate(x, wg, tile, compression)
     ptr = poison_allocator((M, D), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous(), union=fused_path)
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
 
@@ -311,11 +309,11 @@ def test_overflow_dense_and_zero_rows_are_exact(fused_path):
     assert gate.nnz_per_row()[[1, 2, 776]].eq(0).all()
     wdt = wd.t().contiguous()
     ptr = poison_allocator((M, D), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path)
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
     # Heavy rows go to CTAs through a device counter; each row's sums still have a fixed order.
-    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path))
     for r in (0, 5, 400, 1):  # the overflowing rows and a row without active neurons, one by one
         ref_r = fp64_ffn(x[r:r + 1], wg, wu, wd)
         dense_r = reference.dense_gated_ffn(x[r:r + 1], wg, wu, wd)
@@ -323,7 +321,7 @@ def test_overflow_dense_and_zero_rows_are_exact(fused_path):
     # A fully dense activation (every row overflows) is still exact.
     xd, wgd, wud, wdd = inputs(64, 256, 512, offset=-3.0)
     assert kernels.twell_gate(xd, wgd).n_spilled_tiles == 64 * 2
-    check_ffn(kernels.sparse_gated_ffn(xd, wgd, wud, wdd.t().contiguous()), xd, wgd, wud, wdd)
+    check_ffn(kernels.sparse_gated_ffn(xd, wgd, wud, wdd.t().contiguous(), union=fused_path), xd, wgd, wud, wdd)
 
 
 def test_overflow_without_spill_is_recomputed_in_kernel(fused_path):
@@ -337,7 +335,7 @@ def test_overflow_without_spill_is_recomputed_in_kernel(fused_path):
     assert gate.n_overflow_rows >= 3
     wdt = wd.t().contiguous()
     ptr = poison_allocator((300, 512), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path)
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
 
@@ -346,7 +344,7 @@ def test_reference_packed_twell_uses_its_dense_backup(fused_path):
     x, wg, wu, wd = inputs(500, 512, 1000, nnz=29, tail=0.35, dense_rows=[3, 9])
     gate = pack_twell(F.relu(F.linear(x, wg)))  # no source: overflow rows come from the backup
     assert gate.source is None and gate.n_overflow_rows >= 2
-    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    out = kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous(), union=fused_path)
     check_ffn(out, x, wg, wu, wd)
 
 
@@ -371,15 +369,14 @@ def test_non_gated_kernel_on_a_packed_twell(tile, compression):
 
 @pytest.mark.parametrize("M,D,H,tile,compression", [(4097, 2048, 5632, 256, 8), (1000, 512, 1000, 128, 4),
                                                      (63, 1024, 5632, 256, 8)])
-def test_union_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
+def test_union_path_runs_and_is_exact(M, D, H, tile, compression):
     """Inputs with 80% dead neurons (as trained models have): blocks of 64 rows share active neurons,
-    so most take the block-union path at TWELL_UNION_RATIO = 1; heavy, dense and all-zero rows mixed in
-    go to the per-row kernels. Output poisoned, compared with fp64 like every kernel."""
-    monkeypatch.setenv("TWELL_UNION_RATIO", "1")
+    so most take the block-union path at union=(1, 0); heavy, dense and all-zero rows mixed in go to
+    the per-row kernels. Output poisoned, compared with fp64 like every kernel."""
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dead=0.8, dense_rows=[0, M // 2], zero_rows=[1, M - 1])
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg, tile, compression)
-    plan = kernels.union_plan(x, gate, wu, wdt)
+    plan = kernels.union_plan(x, gate, wu, wdt, ratio=1.0, base=0.0)
     n_blocks = -(-M // 64)
     assert plan["union_blocks"] >= 0.8 * n_blocks, plan
     # (a block whose only row is all-zero has an empty union: M - 1 is a zero row)
@@ -390,11 +387,10 @@ def test_union_path_runs_and_is_exact(M, D, H, tile, compression, monkeypatch):
     assert kernels.union_plan(x, gate, wu, wdt, ratio=0.0)["union_blocks"] == 0
     assert kernels.union_plan(x, gate, wu, wdt, ratio=0.0)["per_row_rows"] == M
     ptr = poison_allocator((M, D), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, union=(1.0, 0.0))
     assert out.data_ptr() == ptr
     check_ffn(out, x, wg, wu, wd)
-    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
-    per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)  # the default: the union path off
     # Both paths round h to bf16 at different points (union: u to bf16 first, like dense bf16).
     assert rel(out, per_row.double()) < 1e-2
 
@@ -409,21 +405,23 @@ def test_sm_cap_and_output_buffer_change_nothing_but_placement():
     M, D, H = 3000, 512, 1000
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=[5])
     wdt = wd.t().contiguous()
-    packed, spill = ext.gate_twell(x, wg, 256, 8)
-    packed_c, spill_c = ext.gate_twell(x, wg, 256, 8, 6)
+    gate_settings = dict(spill_cap=kernels.spill_capacity(M), cluster=GATE_CLUSTER)
+    ffn_settings = dict(union_ratio=0.0, union_base=0.0, dense_cap=None)
+    packed, spill = ext.gate_twell(x, wg, 256, 8, **gate_settings)
+    packed_c, spill_c = ext.gate_twell(x, wg, 256, 8, 6, **gate_settings)
     dense = TwELL(packed, None, None, H, 256, 8, source=(x, wg), spill=spill).unpack()
     assert torch.equal(TwELL(packed_c, None, None, H, 256, 8, source=(x, wg), spill=spill_c).unpack(), dense)
-    ref = ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8)
+    ref = ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8, **ffn_settings)
     big = torch.full((M + 7, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    got = ext.ffn_forward(x, packed_c, spill_c, wg, wu, wdt, 256, 8, 5, big[3:3 + M])
+    got = ext.ffn_forward(x, packed_c, spill_c, wg, wu, wdt, 256, 8, 5, big[3:3 + M], **ffn_settings)
     assert got.data_ptr() == big[3].data_ptr()
     assert torch.equal(big[3:3 + M], ref)
     assert big[:3].isnan().all() and big[3 + M:].isnan().all()
     with pytest.raises(RuntimeError, match="out must be"):
-        ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8, 0, big[:M - 1])
+        ext.ffn_forward(x, packed, spill, wg, wu, wdt, 256, 8, 0, big[:M - 1], **ffn_settings)
 
 
-def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
+def test_union_path_sorts_entries_that_are_not_in_column_order():
     """TwELL words need not list a tile's entries in column order; the union path walks them by rank."""
     from twell.formats import TwELL
 
@@ -439,9 +437,8 @@ def test_union_path_sorts_entries_that_are_not_in_column_order(monkeypatch):
     packed = torch.gather(words, 2, src).reshape(M, -1)
     assert not torch.equal(packed, ref_gate.packed.view(torch.int32))
     gate = TwELL(packed.view(torch.uint32), None, None, H, source=(x, wg))
-    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
-    assert kernels.union_plan(x, gate, wu, wd.t().contiguous())["union_blocks"] == -(-M // 64)
-    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous()), x, wg, wu, wd)
+    assert kernels.union_plan(x, gate, wu, wd.t().contiguous(), ratio=1e9, base=0.0)["union_blocks"] == -(-M // 64)
+    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous(), union=(1e9, 0.0)), x, wg, wu, wd)
 
 
 def union_block_counts(gate, block=64, row_cap=128):
@@ -471,12 +468,12 @@ def expected_union_blocks(counts, ratio, base):
     return torch.tensor(ids, dtype=torch.long), torch.tensor(sizes, dtype=torch.long)
 
 
-def test_union_rule_with_a_base_term(monkeypatch):
+def test_union_rule_with_a_base_term():
     """The plan's rule |U| <= ratio * (entries - base) picks exactly the blocks a PyTorch count of the
     TwELL picks: the plain ratio rule (base 0), the fitted rule, a base at the median block's entries,
     and the two sides of one block's edge (with ratio 1e9 a block qualifies at base = entries - 1 and
     not at base = entries, where the right side is 0). Heavy and all-zero rows are mixed in. The FFN
-    at each setting is exact, and the variables reach the same rule."""
+    at each setting is exact; the plan's default is the fitted rule."""
     from twell.reference.ffn import UNION_RULE
 
     M, D, H = 4096, 1024, 2048
@@ -495,10 +492,8 @@ def test_union_rule_with_a_base_term(monkeypatch):
         ids, sizes = expected_union_blocks(counts, ratio, base)
         assert torch.equal(plan["union_block_ids"], ids), (ratio, base)
         assert torch.equal(plan["union_sizes"], sizes), (ratio, base)
-        monkeypatch.setenv("TWELL_UNION_RATIO", str(ratio))
-        monkeypatch.setenv("TWELL_UNION_BASE", str(base))
-        assert kernels.union_plan(x, gate, wu, wdt)["union_blocks"] == len(ids)  # the variables reach the rule
-        check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt), x, wg, wu, wd)
+        check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt, union=(ratio, base)), x, wg, wu, wd)
+    assert kernels.union_plan(x, gate, wu, wdt)["union_block_ids"].tolist() == chosen[UNION_RULE]
     at_edge, below = chosen[1e9, median], chosen[1e9, median - 1]
     assert k in below and k not in at_edge
     assert 0.3 * (M // 64) <= len(at_edge) <= 0.7 * (M // 64), len(at_edge)  # the base term splits the blocks
@@ -506,33 +501,34 @@ def test_union_rule_with_a_base_term(monkeypatch):
         kernels.union_plan(x, gate, wu, wdt, ratio=1.0, base=-1.0)
 
 
-def test_union_argument_overrides_the_setting(monkeypatch):
-    """``union=(ratio, base)`` of one call wins over TWELL_UNION_*: forcing the union path by argument
-    equals forcing it by the variables bit for bit, ``(0, 0)`` equals the per-row kernel under a
-    setting that would take the union path, and the two routes differ (so each really ran). A
-    SparseFFN layer passes its ``union`` to the kernel the same way."""
+def test_union_argument_is_the_only_setting(monkeypatch):
+    """``union=(ratio, base)`` of one call decides the route, and nothing else does: the default
+    (``None``) equals ``UNION_OFF`` and the per-row kernel whatever the environment holds (the
+    extension reads none of it), forcing the union path differs from it (so each really ran), and
+    the one op with every default equals the two ops with every default bit for bit. A SparseFFN
+    layer passes its ``union`` to the kernel the same way."""
     x, wg, wu, wd = inputs(1024, 1024, 2048, nnz=29, dead=0.8)
     wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
-    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
-    by_setting = kernels.twell_gated_ffn(x, gate, wu, wdt)
-    per_row_by_arg = kernels.twell_gated_ffn(x, gate, wu, wdt, union=(0, 0))
-    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
     per_row = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    # variables that earlier builds read: set to values that would change every path
+    for name, value in (("TWELL_UNION_RATIO", "1e9"), ("TWELL_DENSE_CAP", "0"), ("TWELL_GATE_CLUSTER", "1")):
+        monkeypatch.setenv(name, value)
+    assert torch.equal(kernels.twell_gated_ffn(x, gate, wu, wdt), per_row)
+    assert torch.equal(kernels.twell_gated_ffn(x, gate, wu, wdt, union=UNION_OFF), per_row)
     by_arg = kernels.twell_gated_ffn(x, gate, wu, wdt, union=(1e9, 0))
-    assert torch.equal(by_arg, by_setting) and torch.equal(per_row_by_arg, per_row)
     assert not torch.equal(by_arg, per_row)
     check_ffn(by_arg, x, wg, wu, wd)
-    # The one op takes the rule per call the same way (setting still "0": the argument decides).
-    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8, union=(1e9, 0)), by_arg)
-    monkeypatch.setenv("TWELL_UNION_RATIO", "1e9")
-    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8, union=(0, 0)), per_row)
-    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, 256, 8), by_arg)
-    monkeypatch.setenv("TWELL_UNION_RATIO", "0")
-    ext = kernels.load()  # the raw op takes both arguments or neither (negative: the variables)
+    # The one op takes the rule per call the same way; with every default it is the two ops' defaults.
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, union=(1e9, 0)), by_arg)
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, union=(0, 0)), per_row)
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt), per_row)
+    assert torch.equal(kernels.twell_gated_ffn(x, kernels.twell_gate(x, wg), wu, wdt), per_row)
+    ext = kernels.load()  # the raw op checks the rule too
     for ratio, base in ((1.0, -1.0), (-1.0, 600.0), (float("nan"), 0.0)):
         with pytest.raises(RuntimeError, match="union_ratio and union_base"):
-            ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt, 256, 8, 0, None, ratio, base)
+            ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt, 256, gate.compression, union_ratio=ratio,
+                            union_base=base, dense_cap=None)
     ffn = module_with(wg, wu, wd)
     ffn.path = "kernel"
     with torch.no_grad():
@@ -752,13 +748,55 @@ def test_union_path_shape_limits():
         assert f.union == (0.0, 0.0) and why in report[0]["why"], report
 
 
-@pytest.mark.parametrize("variable,bad", [("TWELL_UNION_RATIO", "fast"), ("TWELL_UNION_BASE", "-5")])
-def test_path_settings_are_checked(variable, bad, monkeypatch):
+def test_path_settings_are_checked():
+    """Bad settings fail in Python with a message that names the fix, and in the extension for its
+    direct callers."""
     x, wg, wu, wd = inputs(64, 512, 256, nnz=8)
+    wdt = wd.t().contiguous()
     gate = kernels.twell_gate(x, wg)
-    monkeypatch.setenv(variable, bad)
-    with pytest.raises(RuntimeError, match=variable):
-        kernels.twell_gated_ffn(x, gate, wu, wd.t().contiguous())
+    for kwargs, match in ((dict(union=(1.0, -5.0)), "union"), (dict(dense_cap=-1), "dense_cap"),
+                          (dict(dense_cap=2.5), "dense_cap")):
+        with pytest.raises(ValueError, match=match):
+            kernels.twell_gated_ffn(x, gate, wu, wdt, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            kernels.sparse_gated_ffn(x, wg, wu, wdt, **kwargs)
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="gate_cluster"):
+            kernels.twell_gate(x, wg, gate_cluster=bad)
+        with pytest.raises(ValueError, match="gate_cluster"):
+            kernels.sparse_gated_ffn(x, wg, wu, wdt, gate_cluster=bad)
+    ext = kernels.load()
+    with pytest.raises(RuntimeError, match="cluster must be 2"):
+        ext.gate_twell(x, wg, 256, 16, spill_cap=kernels.spill_capacity(64), cluster=3)
+    with pytest.raises(RuntimeError, match="spill_cap must be in"):
+        ext.gate_twell(x, wg, 256, 16, spill_cap=-1, cluster=GATE_CLUSTER)
+    with pytest.raises(RuntimeError, match="dense_cap must be None"):
+        ext.ffn_forward(x, gate.packed, gate.spill, wg, wu, wdt, 256, gate.compression, union_ratio=0.0,
+                        union_base=0.0, dense_cap=-1)
+    with pytest.raises(TypeError):  # the settings have no defaults in the extension
+        ext.gate_twell(x, wg, 256, 16)
+
+
+def test_single_cta_gate_kernel_gives_the_same_twell():
+    """gate_cluster=1 (the single-CTA variant, kept for comparison) writes the TwELL the 2-CTA clusters
+    write, in the gate op and inside the one op."""
+    x, wg, wu, wd = inputs(3000, 512, 1000, nnz=29, tail=0.35, dense_rows=[5])
+    wdt = wd.t().contiguous()
+    pair, single = kernels.twell_gate(x, wg), kernels.twell_gate(x, wg, gate_cluster=1)
+    assert torch.equal(single.counts(), pair.counts()) and torch.equal(single.unpack(), pair.unpack())
+    out = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+    assert torch.equal(kernels.sparse_gated_ffn(x, wg, wu, wdt, gate_cluster=1), out)
+    check_ffn(out, x, wg, wu, wd)
+
+
+def test_spill_area_is_sized_by_the_one_formula():
+    """The gate op's spill area (and so the fake op's shape) is spill_capacity(M) words plus the
+    words-used counter; the one op's internal block adds the ready counters."""
+    for M in (64, 20000):
+        x, wg, _, _ = inputs(M, 256, 300, nnz=8)
+        gate = kernels.twell_gate(x, wg)
+        assert gate.spill.numel() == kernels.spill_capacity(M) + 1
+        assert kernels.sparse_ffn_spill_words(M) == kernels.spill_capacity(M) + 1 + 4 * -(-M // 128)
 
 
 @pytest.mark.parametrize("M,D,H", [(100, 256, 300), (4096, 2048, 5632)])
@@ -782,14 +820,12 @@ def check_rows(out, rows, x, wg, wu, wd, gated=True):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
 @pytest.mark.parametrize("M,D,H,tile,compression", [(2000, 2048, 5632, 256, 8), (777, 320, 1000, 128, 4),
                                                      (700, 192, 700, 64, 2)])
-@pytest.mark.parametrize("cap", [None, "4096", "0"], ids=["default-cap", "cap-4096", "off"])
-def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, cap, monkeypatch):
+@pytest.mark.parametrize("cap", [None, 4096, 0], ids=["default-cap", "cap-4096", "off"])
+def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, cap):
     """Rows with more than 128 entries go to the heavy queue. When at least 384 (kDenseMinRows) rows are
     queued, the tensor-core dense path (csrc/twell_dense.cu) computes all of them, else the per-row
     heavy kernel does: here over 400 heavy rows, so the path runs at the default cap of these small M
-    (at least 4096 rows, clamped to M rounded up to 128) and at TWELL_DENSE_CAP=4096, not when off."""
-    if cap is not None:
-        monkeypatch.setenv("TWELL_DENSE_CAP", cap)
+    (at least 4096 rows, clamped to M rounded up to 128) and at dense_cap=4096, not when off."""
     heavy_rows = list(range(3, 403))  # rows scaled by 50: hundreds of active neurons each
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.35, dense_rows=heavy_rows, zero_rows=[0, M - 1])
     if not gated:  # non-gated: the activation is relu(x @ w_up.T); give w_up the gate's offsets
@@ -799,13 +835,15 @@ def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, c
     is_heavy = gate.nnz_per_row().gt(128).cpu()
     heavy, light = is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()
     assert len(heavy) >= 384, len(heavy)
-    dense_cap = kernels.load().dense_cap(M)
-    assert dense_cap == {None: -(-M // 128) * 128, "4096": -(-M // 128) * 128, "0": 0}[cap]
+    dense_cap = kernels.dense_capacity(M, cap)
+    assert dense_cap == {None: -(-M // 128) * 128, 4096: -(-M // 128) * 128, 0: 0}[cap]
     dense_runs = dense_cap > 0
     wdt = wd.t().contiguous()
 
-    def run():
-        return kernels.twell_gated_ffn(x, gate, wu, wdt) if gated else kernels.twell_ffn(gate, wdt)
+    def run(cap=cap):
+        if gated:
+            return kernels.twell_gated_ffn(x, gate, wu, wdt, dense_cap=cap)
+        return kernels.twell_ffn(gate, wdt, dense_cap=cap)
     ptr = poison_allocator((M, D), torch.bfloat16)
     out = run()
     assert out.data_ptr() == ptr
@@ -817,8 +855,7 @@ def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, c
     assert torch.equal(out, run())
     # Light rows never see the dense path; heavy rows do exactly when it runs (it rounds the up
     # projection to bf16 first, as dense PyTorch does, so their values change by rounding).
-    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
-    off = run()
+    off = run(0)
     assert torch.equal(out[light], off[light])
     if dense_runs:
         assert not torch.equal(out[heavy], off[heavy]), "the dense path did not run"
@@ -826,9 +863,9 @@ def test_dense_path_for_heavy_rows_is_exact(M, D, H, tile, compression, gated, c
         assert torch.equal(out, off)
 
 
-@pytest.mark.parametrize("n_heavy,cap,runs", [(383, "512", False), (384, "384", True), (385, "384", True),
-                                             (1000, "384", True)])
-def test_dense_path_takes_the_queue_at_its_bounds(n_heavy, cap, runs, fused_path, monkeypatch):
+@pytest.mark.parametrize("n_heavy,cap,runs", [(383, 512, False), (384, 384, True), (385, 384, True),
+                                             (1000, 384, True)])
+def test_dense_path_takes_the_queue_at_its_bounds(n_heavy, cap, runs, fused_path):
     """Exactly n_heavy rows above 128 entries: the dense path takes the whole queue from 384 rows up,
     in rounds of cap rows (385 rows: a second round of one row; 1000: three rounds, the last partial),
     and none of it below; on every fused path (the union path's scratch sits before the dense path's
@@ -837,34 +874,30 @@ def test_dense_path_takes_the_queue_at_its_bounds(n_heavy, cap, runs, fused_path
     x, wg, wu, wd = inputs(M, D, H, nnz=8, tail=0.0, dense_rows=range(2, 2 + n_heavy), zero_rows=[0])
     gate = kernels.twell_gate(x, wg)
     assert int(gate.nnz_per_row().gt(128).sum()) == n_heavy
-    monkeypatch.setenv("TWELL_DENSE_CAP", cap)
     wdt = wd.t().contiguous()
     ptr = poison_allocator((M, D), torch.bfloat16)
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path, dense_cap=cap)
     assert out.data_ptr() == ptr
     heavy = list(range(2, 2 + n_heavy))
     check_rows(out, heavy, x, wg, wu, wd)
     check_rows(out, [0, 1] + list(range(2 + n_heavy, M)), x, wg, wu, wd)
-    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
-    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
-    off = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path, dense_cap=cap))
+    off = kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path, dense_cap=0)
     assert torch.equal(out[heavy], off[heavy]) != runs
 
 
-def test_dense_path_with_more_tiles_than_sms(monkeypatch):
+def test_dense_path_with_more_tiles_than_sms():
     """Every row heavy at M = 4096: 32 row blocks, so both dense kernels loop over more tiles than there
     are SMs (1408 and 256 tiles)."""
-    monkeypatch.setenv("TWELL_DENSE_CAP", "4096")
     M, D, H = 4096, 2048, 5632
     x, wg, wu, wd = inputs(M, D, H, nnz=29, tail=0.1, dense_rows=range(M))
     gate = kernels.twell_gate(x, wg)
     assert int(gate.nnz_per_row().gt(128).sum()) == M
     wdt = wd.t().contiguous()
-    out = kernels.twell_gated_ffn(x, gate, wu, wdt)
+    out = kernels.twell_gated_ffn(x, gate, wu, wdt, dense_cap=4096)
     check_ffn(out, x, wg, wu, wd)
-    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
-    monkeypatch.setenv("TWELL_DENSE_CAP", "0")
-    assert not torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt))
+    assert torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt, dense_cap=4096))
+    assert not torch.equal(out, kernels.twell_gated_ffn(x, gate, wu, wdt, dense_cap=0))
 
 
 # Near-dense inputs cost the dense path's GEMMs plus the gate GEMM that found the rows heavy: 4/3 of
@@ -885,7 +918,7 @@ def test_near_dense_input_stays_near_dense_cost(M, nnz):
     inp = calibrated_ffn_inputs(M, 2048, 5632, nnz, 0.1, seed=M + nnz, device="cuda")
     x, wg, wu, wd = inp.x, inp.w_gate, inp.w_up, inp.w_down
     wdt = wd.t().contiguous()
-    assert kernels.load().dense_cap(M) < M or M == 4096  # several rounds, except at M = 4096
+    assert kernels.dense_capacity(M) < M or M == 4096  # several rounds, except at M = 4096
     from twell.bench.ffn import Poison
 
     poison = Poison(torch.device("cuda"), M * 2048 * 2)
@@ -918,14 +951,16 @@ def test_nonfinite_values_propagate_on_the_kernels(where, value, fused_path):
     rows = {"x": torch.arange(M, device="cuda") == 5, "w_gate": active, "w_up": active, "w_down": active}[where]
     expect = rows[:, None] & (torch.arange(D, device="cuda") == 7) if where == "w_down" else rows[:, None]
     dense = reference.dense_gated_ffn(x, wg, wu, wd)
-    for out in (kernels.sparse_gated_ffn(x, wg, wu, wdt), kernels.twell_gated_ffn(x, gate, wu, wdt)):
-        if fused_path[0] == "0":  # per-row kernels: exactly the rows (and for down, the column) it enters
+    for out in (kernels.sparse_gated_ffn(x, wg, wu, wdt, union=fused_path),
+                kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path)):
+        if fused_path == UNION_OFF:  # per-row kernels: exactly the rows (and for down, the column) it enters
             assert torch.equal(bad(out).any(1), rows)
             assert torch.equal(bad(out), expect.expand_as(out)) or where != "w_down"
         else:  # the union path's products span a block's union of neurons: 0 * NaN reaches the block's
             # other rows too, as in dense
             assert (bad(out) >= expect).all() and (bad(out) <= bad(dense)).all()
     ffn = module_with(wg, wu, wd)
+    ffn.union = fused_path
     with torch.no_grad():
         ffn.path = "kernel"
         got = ffn(x)
@@ -943,16 +978,15 @@ def test_all_nan_input_takes_the_dense_path_and_returns_nan():
     assert out.isnan().all()
 
 
-def test_ffn_with_another_x_than_the_gate_was_made_from(monkeypatch):
+def test_ffn_with_another_x_than_the_gate_was_made_from():
     """The kernel may recompute gate values from x only when x is the TwELL's own source: with another
     x (allowed: h comes from the TwELL, x only feeds the up projection) the dense path stays off and
     the result is sum over active n of h[m, n] (x2[m] . w_up[n]) w_down[:, n]."""
-    monkeypatch.setenv("TWELL_DENSE_CAP", "4096")
     M, D, H = 1024, 512, 1000
     x, wg, wu, wd = inputs(M, D, H, nnz=8, tail=0.0, dense_rows=range(2, 500))
     x2 = torch.randn_like(x)
     gate = kernels.twell_gate(x, wg)
-    out = kernels.twell_gated_ffn(x2, gate, wu, wd.t().contiguous())
+    out = kernels.twell_gated_ffn(x2, gate, wu, wd.t().contiguous(), dense_cap=4096)
     h = F.relu(x.double() @ wg.double().t()).to(torch.bfloat16).double()
     ref = (h * (x2.double() @ wu.double().t())) @ wd.double().t()
     for rows in (list(range(2, 500)), [0, 1] + list(range(500, M))):
@@ -960,19 +994,18 @@ def test_ffn_with_another_x_than_the_gate_was_made_from(monkeypatch):
         assert rel(out[rows], ref[rows]) <= 3 * rel(dense, ref[rows]) + 1e-4
 
 
-def test_dense_cap_rule_and_setting(monkeypatch):
-    monkeypatch.delenv("TWELL_DENSE_CAP", raising=False)
-    cap = kernels.load().dense_cap
+def test_dense_cap_rule_and_setting():
+    cap = kernels.dense_capacity
     # M / 8 rounded up to 128, at least 4096, at most M rounded up, 0 where it could never reach 384 rows
     assert ([cap(1), cap(300), cap(383), cap(384), cap(2000), cap(3000), cap(4096), cap(8192), cap(65536),
              cap(131072)] == [0, 0, 0, 384, 2048, 3072, 4096, 4096, 8192, 16384])
-    monkeypatch.setenv("TWELL_DENSE_CAP", "100")
-    assert cap(65536) == 0
-    monkeypatch.setenv("TWELL_DENSE_CAP", "400")
-    assert cap(65536) == 512 and cap(300) == 384 and cap(200) == 0
-    monkeypatch.setenv("TWELL_DENSE_CAP", "lots")
-    with pytest.raises(RuntimeError, match="TWELL_DENSE_CAP"):
-        cap(65536)
+    assert cap(65536, 100) == 0
+    assert cap(65536, 400) == 512 and cap(300, 400) == 384 and cap(200, 400) == 0
+    assert cap(65536, 2**62) == 65536  # bounded by M, without overflow
+    with pytest.raises(ValueError, match="dense_cap"):
+        cap(65536, "lots")
+    with pytest.raises(RuntimeError, match="dense_cap must be None"):
+        kernels.load().dense_cap(65536, -5)
 
 
 def test_bad_inputs_raise_clearly():
@@ -1048,9 +1081,10 @@ def test_misaligned_inputs_raise_clearly_and_leave_the_context_usable(k):
         assert ffn.last_path == "twell-reference"
     ext = kernels.load()  # the C++ checks refuse it too, for callers of the extension itself
     with pytest.raises(RuntimeError, match="16-byte aligned"):
-        ext.sparse_ffn(x, wg, wu, _offset_copy(wdt, k), 256, 8, -1.0, -1.0)
+        ext.sparse_ffn(x, wg, wu, _offset_copy(wdt, k), 256, 8, union_ratio=0.0, union_base=0.0, dense_cap=None,
+                       spill_cap=kernels.spill_capacity(256), cluster=GATE_CLUSTER)
     with pytest.raises(RuntimeError, match="the spill area must start at a 16-byte aligned address"):
-        ext.ffn_plan(x, gate.packed, _offset_copy(gate.spill, words), wu, wdt, 256, 8, 1.0, 0.0)
+        ext.ffn_plan(x, gate.packed, _offset_copy(gate.spill, words), wu, wdt, 256, gate.compression, 1.0, 0.0)
     # Under torch.compile the Python check is skipped (no addresses while tracing): the extension's
     # check must raise, unless the compiled graph hands the op an aligned copy, which is right too.
     compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=True)
@@ -1075,13 +1109,15 @@ from twell import kernels
 ext = kernels.load()
 x = torch.randn(64, 256, device="cuda").bfloat16(); w = torch.randn(300, 256, device="cuda").bfloat16()
 g = kernels.twell_gate(x, w)
+gs = dict(spill_cap=kernels.spill_capacity(64), cluster=2)
+fs = dict(union_ratio=0.0, union_base=0.0, dense_cap=None)
 cases = {
-    "compression 0": lambda: ext.gate_twell(x, w, 256, 0),
-    "compression 3": lambda: ext.gate_twell(x, w, 256, 3),
-    "D must be a positive multiple of 64, got 200": lambda: ext.gate_twell(x[:, :200].contiguous(), w[:, :200].contiguous(), 256, 8),
-    "D must be a positive multiple of 64, got 0": lambda: ext.gate_twell(x[:, :0].contiguous(), w[:, :0].contiguous(), 256, 8),
-    "sparse_ffn: unsupported tile 256 / compression 0": lambda: ext.sparse_ffn(x, w, w, w, 256, 0),
-    "twell.ffn: unsupported tile 256 / compression 0": lambda: ext.ffn_forward(x, g.packed, g.spill, None, w, w, 256, 0),
+    "compression 0": lambda: ext.gate_twell(x, w, 256, 0, **gs),
+    "compression 3": lambda: ext.gate_twell(x, w, 256, 3, **gs),
+    "D must be a positive multiple of 64, got 200": lambda: ext.gate_twell(x[:, :200].contiguous(), w[:, :200].contiguous(), 256, 8, **gs),
+    "D must be a positive multiple of 64, got 0": lambda: ext.gate_twell(x[:, :0].contiguous(), w[:, :0].contiguous(), 256, 8, **gs),
+    "sparse_ffn: unsupported tile 256 / compression 0": lambda: ext.sparse_ffn(x, w, w, w, 256, 0, **fs, **gs),
+    "twell.ffn: unsupported tile 256 / compression 0": lambda: ext.ffn_forward(x, g.packed, g.spill, None, w, w, 256, 0, **fs),
 }
 for want, call in cases.items():
     try:
@@ -1168,20 +1204,19 @@ def test_compiled_module_is_one_graph_and_sees_weight_updates(mode):
         torch._dynamo.reset()
 
 
-def test_torch_compile_and_cuda_graphs(monkeypatch):
+def test_torch_compile_and_cuda_graphs():
     # Heavy rows in both inputs, enough at replay (not at capture) for the dense path to run: it and
     # the heavy kernel size their work from device counts, never from host values frozen into the graph.
-    monkeypatch.setenv("TWELL_DENSE_CAP", "1024")
     x, wg, wu, wd = inputs(1024, 2048, 5632, nnz=29, tail=0.35, dense_rows=[7])
     wdt = wd.t().contiguous()
-    eager = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+    eager = kernels.sparse_gated_ffn(x, wg, wu, wdt, dense_cap=1024)
     compiled = torch.compile(kernels.sparse_gated_ffn, fullgraph=True)  # no eager fallback
-    torch.testing.assert_close(compiled(x, wg, wu, wdt), eager)
+    torch.testing.assert_close(compiled(x, wg, wu, wdt, dense_cap=1024), eager)
     static_x = x.clone()
-    kernels.sparse_gated_ffn(static_x, wg, wu, wdt)  # warm-up outside capture (build, attributes)
+    kernels.sparse_gated_ffn(static_x, wg, wu, wdt, dense_cap=1024)  # warm-up outside capture (build, attributes)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = kernels.sparse_gated_ffn(static_x, wg, wu, wdt)
+        static_out = kernels.sparse_gated_ffn(static_x, wg, wu, wdt, dense_cap=1024)
     x2 = x.clone()
     # 400 more heavy rows: the dense path runs. Scaled 3x, not 50x: 400 nearly all-active rows would
     # overfill the spill area (1.1M words against 1M, counted on the CPU), and then which tiles find
@@ -1191,8 +1226,9 @@ def test_torch_compile_and_cuda_graphs(monkeypatch):
     static_x.copy_(x2)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt))
-    assert torch.equal(static_out, two_ops(x2, wg, wu, wdt))
+    assert torch.equal(static_out, kernels.sparse_gated_ffn(x2, wg, wu, wdt, dense_cap=1024))
+    assert torch.equal(static_out, kernels.twell_gated_ffn(x2, kernels.twell_gate(x2, wg, compression=8), wu, wdt,
+                                                           dense_cap=1024))
     is_heavy = kernels.twell_gate(x2, wg).nnz_per_row().gt(128).cpu()
     for rows in (is_heavy.nonzero().flatten().tolist(), (~is_heavy).nonzero().flatten().tolist()):
         check_rows(static_out, rows, x2, wg, wu, wd)
@@ -1204,16 +1240,17 @@ def test_ops_pass_torch_library_opcheck():
 
     x, wg, wu, wd = inputs(300, 512, 1024, nnz=29, tail=0.35, dense_rows=[3])
     wdt = wd.t().contiguous()
-    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION, -1.0, -1.0))
+    torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION, *UNION_OFF, None,
+                                               GATE_CLUSTER))
     torch.library.opcheck(ops._sparse_ffn_op, (x, wg, wu, wdt, 256, SPARSE_FFN_COMPRESSION,
-                                               *reference.ffn.UNION_RULE))
-    packed, spill = ops._gate_op(x, wg, 256, 8)
-    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, -1.0, -1.0))
-    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, *reference.ffn.UNION_RULE))
+                                               *reference.ffn.UNION_RULE, 384, 1))
+    packed, spill = ops._gate_op(x, wg, 256, 8, GATE_CLUSTER)
+    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, *UNION_OFF, None))
+    torch.library.opcheck(ops._ffn_op, (x, packed, spill, wg, wu, wdt, 256, 8, *reference.ffn.UNION_RULE, 0))
     # The gate op leaves unused slots and the spill area's tail unwritten (zeroing them would cost a
     # pass over memory), so two calls need not agree word for word: the AOT-dispatch check, which
     # compares eager and compiled outputs, does not apply to it.
-    torch.library.opcheck(ops._gate_op, (x, wg, 256, 8),
+    torch.library.opcheck(ops._gate_op, (x, wg, 256, 8, GATE_CLUSTER),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -1242,7 +1279,8 @@ def test_kernel_twell_ffn_refuses_an_output_width_it_cannot_write():
 
 
 def test_module_uses_kernels_on_gpu():
-    x, wg, wu, wd = inputs(2000, 2048, 5632, nnz=29, dense_rows=[5])  # ~0.6% active: "auto" stays sparse
+    # ~0.8% active at 4096 rows: "auto" stays sparse (under auto_max_active, the ceiling at 4096 rows)
+    x, wg, wu, wd = inputs(4096, 2048, 5632, nnz=29, dense_rows=[5])
     ffn = module_with(wg, wu, wd)
     with torch.no_grad():
         ffn.path = "auto"
@@ -1262,13 +1300,14 @@ def test_module_uses_kernels_on_gpu():
 def test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse():
     """A 50%-active layer: the first auto call runs the kernels (exact), then auto switches to dense and
     says why; a sparse layer keeps the kernels; setting the path again measures again."""
-    # nnz=40 gives ~60 active of 5632 here (1.05-1.10%: the per-neuron offsets add ~50%), under auto_max_active
-    for nnz, expect_dense in ((2816, True), (29, False), (40, False)):
-        x, wg, wu, wd = inputs(512, 2048, 5632, nnz=nnz)
+    # nnz=40 gives ~60 active of 5632 here (1.05-1.10%: the per-neuron offsets add ~50%), just above
+    # auto_max_active; nnz=29 about 0.8%, under it. 4096 rows: the ceiling there is auto_max_active.
+    for nnz, expect_dense in ((2816, True), (29, False), (40, True)):
+        x, wg, wu, wd = inputs(4096, 2048, 5632, nnz=nnz)
         ffn = module_with(wg, wu, wd)
-        if nnz == 40:  # between the old threshold (1%) and this one
+        if nnz == 40:
             active = kernels.twell_gate(x, wg).nnz_per_row().float().mean().item() / 5632
-            assert 0.01 < active < ffn.auto_max_active, active
+            assert ffn.auto_max_active < active < 1.25 * ffn.auto_max_active, active
         with torch.no_grad():
             first = ffn(x)
             assert ffn.last_path == "twell-kernel"
@@ -1319,9 +1358,9 @@ def test_module_runs_in_a_cuda_graph():
     activity back to the host, so the layer says so and measures on its first call outside. An eager
     call before any replay must not see the capture's unexecuted copy of W_down^T. Replays on new
     inputs (heavy rows included) equal eager calls bit for bit."""
-    # ~0.6% of the neurons active per token, so "auto" stays sparse once it measures (1% limit)
-    x, wg, wu, wd = inputs(2048, 2048, 5632, nnz=29, seed=0)
-    x2 = inputs(2048, 2048, 5632, nnz=29, seed=1, dense_rows=[3])[0]
+    # ~0.8% of the neurons active per token at 4096 rows, so "auto" stays sparse once it measures (1% limit)
+    x, wg, wu, wd = inputs(4096, 2048, 5632, nnz=29, seed=0)
+    x2 = inputs(4096, 2048, 5632, nnz=29, seed=1, dense_rows=[3])[0]
     ffn = module_with(wg, wu, wd)
     kernels.load()  # build outside the capture
     static_x = x.clone()
@@ -1350,13 +1389,14 @@ def test_ops_and_module_on_a_second_gpu(fused_path):
     x, wg, wu, wd = (t.to("cuda:1") for t in inputs(3000, 2048, 5632, nnz=29, tail=0.35, dense_rows=[3],
                                                       zero_rows=[4]))
     wdt = wd.t().contiguous()
-    out = kernels.sparse_gated_ffn(x, wg, wu, wdt)
+    out = kernels.sparse_gated_ffn(x, wg, wu, wdt, union=fused_path)
     assert out.device == x.device
     check_ffn(out, x, wg, wu, wd)
     gate = kernels.twell_gate(x, wg)
-    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt), x, wg, wu, wd)
+    check_ffn(kernels.twell_gated_ffn(x, gate, wu, wdt, union=fused_path), x, wg, wu, wd)
     check_ffn(kernels.twell_ffn(kernels.twell_gate(x, wu), wdt), x, wg, wu, wd, gated=False)
     ffn = module_with(*(t.to("cuda:0") for t in (wg, wu, wd)))
+    ffn.union = fused_path
     with torch.no_grad():
         ffn.path = "kernel"
         ffn(x.to("cuda:0"))  # fills the transpose cache on cuda:0
@@ -1370,8 +1410,9 @@ def test_ops_and_module_on_a_second_gpu(fused_path):
         kernels.twell_gated_ffn(x, gate0, wu, wdt)
     ext = kernels.load()
     with pytest.raises(RuntimeError, match="w_down_t is on cuda:0, x on cuda:1"):
-        ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt.to("cuda:0"), 256, 8)
+        ext.ffn_forward(x, gate.packed, gate.spill, None, wu, wdt.to("cuda:0"), 256, gate.compression,
+                        union_ratio=0.0, union_base=0.0, dense_cap=None)
     with pytest.raises(RuntimeError, match="the spill area is on cuda:0, x on cuda:1"):
-        ext.ffn_plan(x, gate.packed, gate0.spill, wu, wdt, 256, 8, 1.0, 0.0)
+        ext.ffn_plan(x, gate.packed, gate0.spill, wu, wdt, 256, gate.compression, 1.0, 0.0)
     torch.cuda.synchronize(1)
     assert torch.cuda.current_device() == 0

@@ -29,7 +29,7 @@ def test_reference_backend_matches_dense_and_fills_stats():
     grads_d = [x.grad.clone()] + [p.grad.clone() for p in f.parameters()]
     x.grad = None
     f.zero_grad()
-    backend = SparseTraining(impl="reference", start="sparse")
+    backend = SparseTraining(min_rows=0, impl="reference", start="sparse")
     f.train_backend = backend
     out_s = f(x)
     assert f.last_path == "train-reference"
@@ -43,7 +43,7 @@ def test_reference_backend_matches_dense_and_fills_stats():
 
 def test_routes_switch_with_hysteresis():
     fs = [_ffn(H=100), _ffn(H=100)]
-    b = SparseTraining(impl="reference", max_active=0.1, smoothing=0.0)
+    b = SparseTraining(min_rows=0, impl="reference", max_active=0.1, smoothing=0.0)
     assert b.route(fs[0]) == "dense"
     assert b.update(fs, [50, 9]) == ["dense", "sparse"]
     assert b.update(fs, [50, 11]) is None  # 11% is inside the band (10%, 12.5%]: stays sparse
@@ -54,28 +54,55 @@ def test_routes_switch_with_hysteresis():
 
 def test_smoothing_holds_a_route_through_one_step():
     f = _ffn(H=100)
-    b = SparseTraining(impl="reference", max_active=0.1, smoothing=0.5)
+    b = SparseTraining(min_rows=0, impl="reference", max_active=0.1, smoothing=0.5)
     assert b.update([f], [5]) == ["sparse"]
     assert b.update([f], [20]) is None  # smoothed 12.5%: inside the band
-    assert abs(f.train_activity - 0.125) < 1e-9
+    assert abs(b.layer(f).activity - 0.125) < 1e-9
     assert b.update([f], [20]) == ["dense"]  # 16.25%
 
 
-def test_unsupported_layers_run_dense_with_a_note():
+def test_unsupported_layers_run_dense_and_say_so():
+    """A layer the training op cannot run runs dense, and its route records that and why; a strict
+    backend (train.sparse_kernels=always) raises instead."""
     f = _ffn(dtype=torch.float32)
-    f.train_backend = SparseTraining(impl="reference", start="sparse")
+    b = SparseTraining(min_rows=0, impl="reference", start="sparse")
+    f.train_backend = b
     x = torch.randn(4, 32, requires_grad=True)
     f(x)
-    assert f.last_path == "dense" and "bfloat16" in f.train_note
+    assert b.route(f) == "sparse"  # asked for ...
+    assert f.last_path == "dense" and "bfloat16" in f.last_route.reason  # ... but not what ran
+    events = b.route_events([f])
+    assert events == {"routes": ["sparse"], "ran": ["dense"], "why": [f.last_route.reason]}
+    assert b.route_events([f]) is None  # nothing changed since
     g = _ffn()
-    g.train_backend = SparseTraining(impl="kernel", start="sparse")
+    g.train_backend = SparseTraining(min_rows=0, impl="kernel", start="sparse")
     g(torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True))
-    assert g.last_path == "dense" and "cpu" in g.train_note
+    assert g.last_path == "dense" and "cpu" in g.last_route.reason
+    f.train_backend = SparseTraining(min_rows=0, impl="reference", start="sparse", strict=True)
+    with pytest.raises(ValueError, match="sparse_kernels=always.*bfloat16"):
+        f(x)
+
+
+def test_route_events_follow_what_ran():
+    f = _ffn(H=100)
+    b = SparseTraining(min_rows=0, impl="reference", max_active=0.1, smoothing=0.0)
+    f.train_backend = b
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    assert b.route_events([f]) == {"routes": ["dense"], "ran": [None], "why": [""]}  # no call yet
+    f(x)
+    ev = b.route_events([f])
+    assert ev["routes"] == ["dense"] and ev["ran"] == ["dense"] and "not measured" in ev["why"][0]
+    b.update([f], [5])
+    f(x)
+    ev = b.route_events([f])
+    assert ev["routes"] == ["sparse"] and ev["ran"] == ["train-reference"] and "5.00% active" in ev["why"][0]
+    f(x)
+    assert b.route_events([f]) is None
 
 
 def test_bad_backend_settings():
     with pytest.raises(ValueError, match="impl"):
-        SparseTraining(impl="fast")
+        SparseTraining(min_rows=0, impl="fast")
     with pytest.raises(ValueError, match="max_active"):
         SparseTraining(max_active=2)
 
@@ -177,7 +204,7 @@ def test_reinit_dead_gates_reaches_the_training_path(impl, request):
         request.getfixturevalue("kernels_ready")
     device = "cuda" if impl == "kernel" else "cpu"
     f = _ffn(D=256, H=512).to(device)
-    backend = SparseTraining(impl=impl, start="sparse", slots=256)
+    backend = SparseTraining(min_rows=0, impl=impl, start="sparse", slots=256)
     f.train_backend = backend
     x = torch.randn(4, 64, 256, dtype=torch.bfloat16, device=device)
     dy = torch.randn_like(x)
@@ -209,3 +236,22 @@ def test_reinit_dead_gates_reaches_the_training_path(impl, request):
     assert abs(after - active_d.mean().item()) <= 0.005 * active_d.mean().item()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(out, out_d) < 1e-2 and rel(grad[:64], grad_d[:64]) < 2e-2, (rel(out, out_d), rel(grad[:64], grad_d[:64]))
+
+
+def test_forwards_below_the_row_floor_train_dense_and_say_why():
+    """Below min_rows (the trainer's train.sparse_min_tokens) a layer asked to run sparse trains dense:
+    the training op is slower there; the route events carry the reason."""
+    f = _ffn(H=100)
+    b = SparseTraining(impl="reference", start="sparse", min_rows=64)
+    f.train_backend = b
+    f(torch.randn(63, 32, dtype=torch.bfloat16, requires_grad=True))
+    assert f.last_path == "dense" and "63 rows per forward < min_rows 64" in f.last_route.reason
+    f(torch.randn(2, 32, 32, dtype=torch.bfloat16, requires_grad=True))
+    assert f.last_path == "train-reference"
+    assert SparseTraining().min_rows == 8192 and load_config("tiny").train.sparse_min_tokens == 8192
+    with pytest.raises(ValueError, match="min_rows"):
+        SparseTraining(min_rows=-1)
+    cfg = load_config("tiny")
+    cfg.train.sparse_min_tokens = -5
+    with pytest.raises(ValueError, match="sparse_min_tokens"):
+        cfg.validate()

@@ -39,13 +39,13 @@ mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 if CUDA:
     mc = dict(vocab_size=61, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2, num_kv_heads=2,
               max_position_embeddings=64)
-    backends = {"light": SparseTraining(impl="kernel", start="sparse", slots=512),
-                "heavy": SparseTraining(impl="kernel", start="sparse", slots=8)}
+    backends = {"light": SparseTraining(min_rows=0, impl="kernel", start="sparse", slots=512),
+                "heavy": SparseTraining(min_rows=0, impl="kernel", start="sparse", slots=8)}
     want_path, seq = "train-kernel", 33
 else:
     mc = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=2,
               max_position_embeddings=32)
-    backends = {"reference": SparseTraining(impl="reference", start="sparse")}
+    backends = {"reference": SparseTraining(min_rows=0, impl="reference", start="sparse")}
     want_path, seq = "train-reference", 17
 
 

@@ -26,7 +26,8 @@ def _cfg(data, sparse: str, steps: int = 200):
             "data": {"source": str(data.dir)},
             "train": {"steps": steps, "seq_len": 64, "global_batch": 16, "micro_batch": 8, "precision": "bf16",
                       "device": "cuda", "eval_every": steps, "eval_tokens": 2048, "ckpt_every": steps,
-                      "export_dtype": None, "progress": False, "sparse_kernels": sparse, "sparse_max_active": 1.0},
+                      "export_dtype": None, "progress": False, "sparse_kernels": sparse, "sparse_max_active": 1.0,
+                      "sparse_min_tokens": 0},
             "optim": {"lr": 3e-3, "warmup_steps": 20},
             "sparsity": {"l1_coef": 3e-3, "positions_every": 50}}
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from twell.kernels.build import load
-from twell.reference.training import TRAIN_SLOTS, check_train_args
+from twell.reference.training import TRAIN_MAX_D, TRAIN_SLOTS, check_train_args
 
 # Entries of one work item of the weight-gradient kernel: a neuron active on more rows is split in
 # chunks of this many rows, summed in chunk order (bounds one block's work; fp32 partials).
@@ -136,6 +136,7 @@ def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slo
     if not x.is_cuda:
         raise ValueError(f"the training kernels run on CUDA tensors; x is on {x.device} "
                          "(twell.reference.training.train_gated_ffn runs anywhere)")
-    if x.shape[1] % 8 or x.shape[1] > 2048:
-        raise ValueError(f"the training kernels need D to be a multiple of 8 and at most 2048, got D={x.shape[1]}")
+    if x.shape[1] % 8 or x.shape[1] > TRAIN_MAX_D:
+        raise ValueError(f"the training kernels need D to be a multiple of 8 and at most {TRAIN_MAX_D}, "
+                         f"got D={x.shape[1]}")
     return _TrainGatedFFN.apply(x, w_gate, w_up, w_down, slots)

@@ -6,36 +6,34 @@
     gated:      out = down_proj(act(gate_proj(x)) * up_proj(x))
     non-gated:  out = down_proj(act(up_proj(x)))
 
-and chooses *how* through one interface:
+and chooses *how* in two steps: :meth:`SparseFFN.plan` asks the pure planner
+(:func:`twell.nn.routing.plan`) for a :class:`~twell.nn.routing.Route` (op, implementation, reason)
+from the layer's :meth:`~SparseFFN.layer_state` and the input, and :meth:`SparseFFN.run` runs it and
+records it in ``last_route`` (``last_path`` is its short name, ``auto_note`` its note on path
+``"auto"``). docs/routing.md describes every case; in short:
 
-- With autograd recording (training), the dense path runs, or ``train_backend`` when one is set
-  (the hook the training kernels plug into; it receives ``(module, x)``, returns ``out`` and, when
-  ``track`` is on, must set ``module.stats`` like the dense path does).
+- With autograd recording (training): ``train_backend`` plans the call when one is set
+  (:class:`twell.nn.sparse_training.SparseTraining`: the training op or dense, per layer); else an
+  explicit sparse path (``"reference"``, ``"kernel"``) runs the training op of that implementation
+  and raises where it cannot; ``"auto"`` and ``"dense"`` run dense.
 - Without autograd (inference), ``path`` decides: ``"dense"`` (plain PyTorch), ``"reference"``
-  (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels; an error if they are unavailable) or
-  ``"auto"``: the kernels when they can run the layer on this input; else the reference (CPU input,
-  kernels unavailable, a shape the kernels do not take such as D > 2048); else dense (bias, dtypes
-  other than bfloat16: no sparse path takes them); ``auto_route(x)`` says which, and why, without
-  running it. ``last_path`` records what ran and ``auto_note``
-  why auto left the kernels (or what decided it). Sparse paths need ``activation="relu"``. On its first
-  call on the kernels' route (sparse, or dense by ``dense_rows``), ``"auto"`` also measures the layer's
-  activity (one host sync, once): a layer with more than ``auto_max_active`` of its neurons active
-  per token runs dense from then on (but for the decoding op on row counts whose expected union of active
-  neurons stays within ``DECODE_MAX_UNION`` of H: ``decode_max_rows()``), and ``auto_note`` says why (the kernels stay exact on such a layer but get slower than dense: spill area full, tiles
-  recomputed; measured 19x slower on a 23%-active model). ``twell.model.choose_union_paths`` replaces
-  that threshold by timing dense against sparse on calibration inputs (``set_auto_choice``).
+  (pure-PyTorch TwELL ops), ``"kernel"`` (CUDA kernels) or ``"auto"``. An explicit sparse path never
+  turns dense: it raises where it cannot run (kernels unavailable, bias, hooks, activation not ReLU).
+  ``"auto"`` runs the kernels when they can run the layer on this input and are faster there, else the
+  reference (CPU input, kernels unavailable, a shape they do not take), else dense (bias, dtypes other
+  than bfloat16, tracking, ...). On its first call on the kernels' route it measures the layer's
+  activity (one host sync, once); it then runs a sparse op only where the activity is under the
+  ceiling measured for the row count (``routing.AUTO_CEILINGS``, ``auto_max_active``), dense on
+  ``dense_rows`` (17-1023 by default), and the decoding op ``decode_gated_ffn`` on at most
+  ``decode_rows`` rows (also on layers dense by activity while the rows' expected union of active
+  neurons stays within ``DECODE_MAX_UNION`` of H: ``decode_max_rows()``).
+  ``twell.model.choose_union_paths`` and ``choose_row_paths`` replace these rules by timings.
 
-``"auto"`` also runs dense for row counts in ``dense_rows`` (default 17-2048: too many rows for the
-decoding op, and too few for the large-batch kernels to beat cuBLAS on every layer up to 1.1% active;
-``twell.model.choose_row_paths`` sets ``decode_rows`` and ``dense_rows`` per layer from timings). On the kernels, a gated layer called
-on at most ``decode_rows`` rows (16 by default, at most 32: token-by-token generation) runs the decoding op
-``decode_gated_ffn``, which reads only the active neurons' up and down weight rows. Otherwise it runs
-its sparse path as one op (``sparse_gated_ffn``: gate and fused kernel in one
-call, the TwELL internal) except when it needs the TwELL (``keep_gate``, or ``"auto"`` measuring):
-then the gate op and the fused op in turn. On the kernels both give the same bits while the spill
-area holds the tiles that overflow their slots (past it, tiles are recomputed: equal to rounding).
-The layer's TwELL uses compression 16 by default (``SPARSE_FFN_COMPRESSION``: 15 slots per
-256-column tile; 0.8-1.3% faster than the published 8 at nnz 8, docs/kernels.md §6).
+A gated layer's large-batch sparse op is ``sparse_gated_ffn`` (gate and fused kernel in one call, the
+TwELL internal), or the gate op and the fused op in turn when the TwELL is needed (``keep_gate``, or
+"auto" measuring); on the kernels both give the same bits while the spill area holds the tiles that
+overflow their slots (past it, tiles are recomputed: equal to rounding). The layer's TwELL uses
+``SPARSE_FFN_COMPRESSION`` by default (docs/kernels.md §6).
 
 Non-finite values propagate as in dense PyTorch: a NaN or Inf in x, or anywhere in ``gate_proj``, is an
 active entry (the gate GEMM reads it for every row), so the rows it reaches come out non-finite; a
@@ -44,8 +42,9 @@ active, makes the output NaN where dense's ``0 * NaN`` would (:meth:`SparseFFN.n
 ops (``twell.kernels``, ``twell.reference``) leave that last case to the caller: an inactive neuron
 contributes exactly nothing there.
 
-``last_path`` says which path the last forward used: ``"dense"``, ``"train-backend"``,
-``"twell-reference"`` or ``"twell-kernel"``. ``keep_gate=True`` keeps the last sparse forward's TwELL
+``last_path`` says which path the last forward used: ``"dense"``, ``"twell-reference"``,
+``"twell-kernel"``, ``"train-reference"``, ``"train-kernel"`` or ``"train-backend"`` (a custom
+callable backend). ``keep_gate=True`` keeps the last sparse forward's TwELL
 in ``last_gate`` for inspection (off by default: at M = 65536 one layer's TwELL and spill area hold
 ~200 MB). With ``track=True`` the forward also records
 ``stats`` (:class:`FFNStats`) for the L1 loss and the sparsity tracker; ``track_l1=False`` keeps
@@ -63,7 +62,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,20 +73,22 @@ from twell.formats.twell import columns_limit
 from twell.nn.transpose import (
     forget, holds, new_transpose, new_transpose_, refresh_transpose, refresh_transpose_, weight_state,
 )
+from twell.nn import routing
+from twell.nn.routing import PATHS
 from twell.reference.decode import DECODE_MAX_ROWS
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
+from twell.reference.training import TRAIN_MAX_D, TRAIN_SLOTS
 
-PATHS = ("auto", "dense", "reference", "kernel")
-# Row counts up to which the kernel path takes the decoding op by default (SparseFFN.decode_rows): on an
-# H200 it ran 1.27-1.51x dense at 16 rows and 0.81-1.10x at 32 (docs/decoding.md), so 17-32 rows go dense.
+# Row counts up to which the kernel path takes the decoding op by default (SparseFFN.decode_rows); past
+# 16 rows it stops beating dense (docs/decoding.md#which-path-runs-sparseffn-by-rows).
 DEFAULT_DECODE_ROWS = 16
-# Row counts that "auto" runs dense by default (SparseFFN.dense_rows).
-DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2048)
+# Row counts that "auto" runs dense by default (SparseFFN.dense_rows): too many for the decoding op, too
+# few for the large-batch op to beat dense reliably (docs/routing.md#auto-by-row-count); from 2048 rows on
+# the activity ceilings of twell.nn.routing decide.
+DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2047)
 # A layer that "auto" runs dense by its activity still takes the decoding op on up to decode_rows rows while the
 # rows' expected union of active neurons, 1 - (1 - activity)^rows of H, stays at most this: the op reads every
-# gate weight and only the union's up and down rows. On an H200 (D 2048, H 5632, 1-16 rows) it ran 1.63x dense
-# at a union of 3% of H, 1.49-1.55x at 8-11%, 1.20-1.33x at 20-28%, 0.99x at 36% and 0.64-0.92x at 55-93%
-# (docs/decoding.md).
+# gate weight and only the union's up and down rows (measured in docs/decoding.md).
 DECODE_MAX_UNION = 0.25
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 
@@ -182,36 +183,39 @@ class SparseFFN(nn.Module):
         check_tiling(tile, compression)  # a bad tiling fails here, not on the first sparse forward
         self.tile = tile
         self.compression = compression
-        # Block-union rule of this layer's fused kernel, (ratio, base), or None for the process-wide
-        # TWELL_UNION_* setting (default off). It pays on layers with many active neurons that
+        # Block-union rule of this layer's fused kernel, (ratio, base), or None for off (the per-row
+        # kernel only). It pays on layers with many active neurons that
         # consecutive tokens share (docs/kernels.md §7); set it per layer.
         self.union = None
+        self._state: Optional[tuple] = None  # (key, LayerState) of layer_state()
+        self._state_gen = 0  # bumped by the setters of what planning reads (_changed)
+        self._auto_dense: Optional[bool] = None  # None: not measured yet, no timed choice
+        self._timed = False  # the choice came from set_auto_choice (timings), not from the activity
+        self._activity: Optional[float] = None  # the fraction of neurons active per token "auto" measured
+        self._activity_note: Optional[str] = None
         self.path = path
-        self.train_backend: Optional[Callable[["SparseFFN", torch.Tensor], torch.Tensor]] = None
+        # The training backend (twell.nn.sparse_training.SparseTraining, which plans training calls), or any
+        # callable (module, x) -> out that fills module.stats when tracking.
+        self.train_backend = None
         self.track = False
         self.track_l1 = True
         self.stats: Optional[FFNStats] = None
-        self.last_path: Optional[str] = None
+        self.last_route: Optional[routing.Route] = None  # what the last forward ran, and why (last_path)
         # Row counts up to this take the decoding op on the sparse paths (twell.kernels.decode_gated_ffn:
         # reads only the active neurons' up and down rows); 0 turns it off.
         self.decode_rows = DEFAULT_DECODE_ROWS
-        # "auto" runs dense for row counts in this closed range (None: never by row count). On an H200 both
-        # sparse ops lose to dense cuBLAS from 32 to 256 rows on calibrated layers at 0.14-1.1% active
-        # (0.46-0.97x, but for the sparsest case at 32 rows); at 2048 the large-batch op wins at 0.14% and
-        # 0.5% active (1.94x, 1.39x) and loses at 1.1% (0.94x), so 2048 stays dense: never below dense by
-        # default (docs/decoding.md). Counts between 256 and 2048 are not measured.
+        # "auto" runs dense for row counts in this closed range (None: never by row count);
+        # twell.model.choose_row_paths sets it per layer from timings.
         self.dense_rows = DEFAULT_DENSE_ROWS
         self.keep_gate = False  # keep the last sparse forward's TwELL in last_gate
         self.last_gate = None  # that TwELL (inspect lazily: no host sync)
-        # "auto" leaves the kernels for dense above this active fraction. On the pooled real layers
-        # (reports/tables/01_real_layers.csv, docs/kernels.md §8; H100, M = 65536) the per-row kernels
-        # ran 1.45x at 56.7 of 5632 active (1.0%), 1.17x at 62.4 (1.1%), 0.98x at 83.8 (1.5%) and
-        # 0.75-0.95x at 103-104: break-even near 80 (1.4%). 1.25% (70 active) keeps a margin below it.
-        self.auto_max_active = 0.0125
+        # "auto" leaves the kernels for dense above this active fraction (at every row count; lower ceilings
+        # at fewer rows, auto_ceilings): docs/routing.md#auto-by-row-count.
+        self.auto_max_active = routing.AUTO_MAX_ACTIVE
+        # ... and below this activity by row count ((rows, fraction) pairs; () for auto_max_active alone);
+        # choose_row_paths, which times the rows, clears it.
+        self.auto_ceilings = routing.AUTO_CEILINGS
         self.auto_note: Optional[str] = None
-        self._auto_dense: Optional[bool] = None  # None: not measured yet
-        self._activity: Optional[float] = None  # the fraction of neurons active per token "auto" measured
-        self._activity_note: Optional[str] = None
         # W_down transposed, [H, D] (w_down_t()). A plain attribute, not a buffer: DDP broadcasts buffers,
         # and ranks that ran different inference calls would disagree on it.
         self._w_down_t: Optional[torch.Tensor] = None
@@ -219,6 +223,19 @@ class SparseFFN(nn.Module):
         self._nonfinite: Optional[tuple] = None
 
     # -- configuration ---------------------------------------------------------------------------
+    @property
+    def last_path(self) -> Optional[str]:
+        """Short name of the path the last forward ran (``last_route.path``); None before any, or after
+        ``last_path = None`` (which forgets the last Route)."""
+        r = self.last_route
+        return None if r is None else r.path
+
+    @last_path.setter
+    def last_path(self, value: None) -> None:
+        if value is not None:
+            raise ValueError("last_path follows last_route; only None (forget the last Route) can be set")
+        self.last_route = None
+
     @property
     def path(self) -> str:
         return self._path
@@ -231,6 +248,7 @@ class SparseFFN(nn.Module):
             raise ValueError(f"sparse path {value!r} needs activation='relu', this layer uses {self.activation!r}")
         self._path = value
         self.reset_auto()
+        self._changed()
 
     @property
     def decode_rows(self) -> int:
@@ -241,6 +259,7 @@ class SparseFFN(nn.Module):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= DECODE_MAX_ROWS:
             raise ValueError(f"decode_rows must be an int in [0, {DECODE_MAX_ROWS}], got {value!r}")
         self._decode_rows = value
+        self._changed()
 
     @property
     def dense_rows(self) -> Optional[tuple[int, int]]:
@@ -255,6 +274,16 @@ class SparseFFN(nn.Module):
                 raise ValueError(f"dense_rows must be None or (lo, hi) ints with 1 <= lo <= hi, got {value!r}")
             value = (int(value[0]), int(value[1]))
         self._dense_rows = value
+        self._changed()
+
+    @property
+    def auto_ceilings(self) -> tuple:
+        return self._auto_ceilings
+
+    @auto_ceilings.setter
+    def auto_ceilings(self, value) -> None:
+        self._auto_ceilings = routing.check_ceilings(value)
+        self._changed()
 
     @property
     def union(self) -> Optional[tuple[float, float]]:
@@ -269,6 +298,8 @@ class SparseFFN(nn.Module):
         loading other weights)."""
         self._auto_dense = self._activity = None
         self.auto_note = self._activity_note = None
+        self._timed = False
+        self._changed()
 
     def set_auto_choice(self, dense: bool, note: str) -> None:
         """Fix what ``"auto"`` runs from now on (dense, or the sparse path) in place of the activity
@@ -279,7 +310,9 @@ class SparseFFN(nn.Module):
         choice is about the large-batch path. Used by ``twell.model.choose_union_paths``, which times
         both on real inputs."""
         self._auto_dense = bool(dense)
+        self._timed = True
         self.auto_note = self._activity_note = note
+        self._changed()
 
     @classmethod
     def from_llama_mlp(cls, mlp: nn.Module, *, path: str = "auto", activation: Optional[str] = None) -> "SparseFFN":
@@ -332,119 +365,150 @@ class SparseFFN(nn.Module):
         # Global hooks (torch's ModuleTracker: FlopCounterMode, memory trackers) only observe: not counted.
         return ""
 
-    def _no_sparse(self, x: torch.Tensor) -> str:
-        """Why no sparse path (reference or kernels) can run this layer on x; '' when one can."""
+    def _no_sparse_layer(self) -> str:
+        """Why no sparse path (reference or kernels) can run this layer on any input; '' when one can."""
         if self.has_bias():
             return self.BIAS_ERROR
         if columns_limit(self.intermediate_size):
             return f"{columns_limit(self.intermediate_size)} (this layer's intermediate size)"
-        why = self._bypassed()
-        if why:
-            return why
-        ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
-        if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in ws):
-            return (f"the sparse paths compute in bfloat16; x is {x.dtype}, the weights "
-                    f"{sorted({str(w.dtype) for w in ws})}")
-        return ""
+        return self._bypassed()
 
-    def _no_kernel(self, x: torch.Tensor) -> str:
-        """Why the kernels cannot run this layer on x (after :meth:`_no_sparse`); '' when they can."""
-        if not x.is_cuda:
-            return f"input on {x.device}"
+    def _no_kernel_layer(self) -> str:
+        """Why the kernels cannot run this layer on any CUDA input; '' when they can."""
         from twell import kernels
 
         why = _kernels_unavailable()
         if why:
-            return f"kernels unavailable: {why}"
+            return routing.UNAVAILABLE + why
         for name in ("gate_proj", "up_proj"):
             m = getattr(self, name)
             if m is not None and kernels.misaligned(m.weight):
                 return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
         return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
 
+    def _no_train_layer(self) -> str:
+        """Why the training op cannot run this layer on any input; '' when it can."""
+        if not self.gated or self.activation != "relu":
+            return "the training kernels run ReLU-gated layers"
+        if self.has_bias():
+            return self.BIAS_ERROR
+        why = self._bypassed()
+        if why:
+            return why
+        D = self.hidden_size
+        if D % 8 or D > TRAIN_MAX_D:
+            return f"the training kernels need D to be a multiple of 8 and at most {TRAIN_MAX_D}, got {D}"
+        return ""
+
+    def _state_key(self) -> tuple:
+        """What the cached LayerState depends on beyond the setters (which bump ``_state_gen``): plain
+        attributes, the projection modules, their hooks and own forwards, weights, dtypes and addresses.
+        Read on every eager call, so kept to attribute reads."""
+        key = (self._state_gen, self.track, self.keep_gate, self.activation, self.auto_max_active,
+               self.train_backend)
+        mods = self._modules
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            m = mods.get(name)
+            if m is None:
+                key += (None,)
+                continue
+            params = m._parameters
+            w = params.get("weight")
+            # len(__dict__): a patched forward (or any new instance attribute) rebuilds the state
+            key += (m, m.__class__, len(m.__dict__), len(m._forward_hooks) + len(m._forward_pre_hooks),
+                    params.get("bias") is None, w)
+            if w is not None:
+                key += (w.dtype, w.data_ptr(), w.is_contiguous())
+        return key
+
+    def layer_state(self) -> routing.LayerState:
+        """What planning knows about this layer (:class:`twell.nn.routing.LayerState`), rebuilt when
+        anything it depends on changed (eager code caches it; compiled code traces its build)."""
+        if torch.compiler.is_compiling():
+            return self._build_state()
+        return self._cached_state()[1]
+
+    def _cached_state(self) -> tuple:
+        """(key, LayerState, routes planned on it by input): the Routes are memoised per input signature,
+        so a call whose state and input kind repeat costs a key and a dict lookup."""
+        key = self._state_key()
+        cached = self._state
+        if cached is None or cached[0] != key:
+            cached = self._state = (key, self._build_state(), {})
+        return cached
+
+    def _build_state(self) -> routing.LayerState:
+        ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
+        b = self.train_backend
+        return routing.LayerState(
+            path=self.path, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
+            backend="none" if b is None else ("sparse-training" if hasattr(b, "plan") else "custom"),
+            no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(sorted({w.dtype for w in ws}, key=str)),
+            no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(),
+            decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
+            timed=self._timed, activity=self._activity, auto_max_active=self.auto_max_active,
+            ceilings=self.auto_ceilings,
+            decode_max_rows=self.decode_max_rows(), choice_note=self._activity_note, train_slots=TRAIN_SLOTS)
+
+    def _changed(self) -> None:
+        """A setter changed what planning reads: the next call rebuilds the LayerState."""
+        self._state_gen += 1
+
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
         """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel", why)``,
         ``why`` empty for the kernels. A wrong input width raises here, as in forward."""
-        if self.activation != "relu":
-            return "dense", f"activation {self.activation}: the sparse paths need relu"
-        if self.track:
-            return "dense", "tracking: the statistics need the dense hidden state"
-        self._check_width(x)
-        why = self._no_sparse(x)
-        if why:
-            return "dense", why
-        # available() is cached per process; a failed build makes "auto" use the reference
-        why = self._no_kernel(x)
-        return ("reference", why) if why else ("kernel", "")
+        return routing.auto_route(self.layer_state(), x)
+
+    def recording(self, x: torch.Tensor) -> bool:
+        """Whether autograd records a call on x (training): grad mode on, and x or a weight needs grad."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def plan(self, x: torch.Tensor) -> routing.Route:
+        """The Route a call on x takes now (:func:`twell.nn.routing.plan`; a SparseTraining backend plans
+        training calls). Plans only: runs nothing and changes nothing."""
+        grad = self.recording(x)
+        if grad and self.train_backend is not None and hasattr(self.train_backend, "plan"):
+            return self.train_backend.plan(self, x)
+        cast = None
+        if grad or self.track:
+            dev = x.device.type
+            cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        if torch.compiler.is_compiling():  # traced once per guard set; a capture replays what was traced
+            return routing.plan(self._build_state(), x, grad_enabled=grad, compiling=True, autocast_dtype=cast)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        _, state, routes = self._cached_state()
+        key = (x.shape[-1], x.numel(), x.dtype, x.device, grad, capturing, cast)
+        route = routes.get(key)
+        if route is None:
+            route = routing.plan(state, x, grad_enabled=grad, capturing=capturing, autocast_dtype=cast)
+            if len(routes) >= 64:  # many input sizes (e.g. evaluation batches): keep the memo small
+                routes.clear()
+            routes[key] = route
+        return route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            # Training: the optimizer step that follows may update W_down without bumping its version
-            # (fused AdamW), so the cached transpose must be copied again before its next use. (A copy
-            # that an inference call made stays allocated: 2 bytes per weight of W_down.)
-            self.invalidate_cache()
-            if self.train_backend is not None:
-                self.last_path = "train-backend"
-                return self.train_backend(self, x)
-            return self._dense(x)
-        path = self.path
-        if path == "auto":
-            route, why = self.auto_route(x)
-            if route == "dense":
-                self.auto_note = f"auto: dense ({why})"
-                return self._dense(x)
-            if route == "reference":
-                self.auto_note = f"auto: TwELL reference ({why})"
-                return self._sparse(x, use_kernel=False)
-            self.auto_note = self._activity_note
-            rows = x.numel() // x.shape[-1]
-            if self._auto_dense:
-                if self._decode_fits(rows):
-                    return self._sparse(x, use_kernel=True, checked=True)
-                return self._dense(x)
-            if self._in_dense_rows(rows):
-                note = (f"auto: dense at {rows} rows (dense_rows {self.dense_rows[0]}-{self.dense_rows[1]}: "
-                        "dense is faster there)")
-                if (self._auto_dense is None and rows > 0 and not torch.compiler.is_compiling()
-                        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())):
-                    # The layer's activity is measured on its first call with rows, whichever path runs it:
-                    # a prefill that runs dense here decides it on all its tokens, not a later single token.
-                    pre, h = self.hidden(x)
-                    self._set_activity(float((~(pre <= 0)).sum(-1, dtype=torch.float32).mean()) /
-                                       self.intermediate_size)
-                    self.auto_note = f"{note}; {self._activity_note}" if self._activity_note else note
-                    self.last_path = "dense"
-                    return self.down_proj(h)
-                self.auto_note = note
-                return self._dense(x)
-            measure = self._auto_dense is None
-            if measure and torch.cuda.is_current_stream_capturing():
-                # Measuring reads a count back to the host, which a CUDA graph capture forbids: the
-                # captured call runs the kernels, and the first call outside a capture measures.
-                measure = False
-                self.auto_note = "auto: activity not measured yet (this call was captured in a CUDA graph)"
-            return self._sparse(x, use_kernel=True, measure=measure, checked=True)
-        if path == "dense" or self.activation != "relu" or self.track:
-            # Tracking needs the dense hidden state for its statistics; the sparse paths compute relu
-            # (the path setter refuses them for another activation, which may be changed after).
-            return self._dense(x)
-        # An explicit sparse path raises where "auto" would leave it.
-        if self.has_bias():
-            raise ValueError(self.BIAS_ERROR)
-        why = self._bypassed()
-        if why:
-            raise ValueError(f"path={path!r} cannot run this layer: {why} (path='auto' runs it dense)")
-        self._check_width(x)
-        if path == "kernel":
-            from twell import kernels
+        return self.run(self.plan(x), x)
 
-            why = _kernels_unavailable()
-            if why:
-                raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: {why}")
-            why = kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
-            if why:
-                raise ValueError(f"path='kernel' cannot run this layer: {why} (path='auto' takes the reference)")
-        return self._sparse(x, use_kernel=(path == "kernel"))
+    def run(self, route: routing.Route, x: torch.Tensor) -> torch.Tensor:
+        """Run a Route (from :meth:`plan`) on x and record it: ``last_route``, ``last_path`` and, for
+        "auto"'s inference routes, ``auto_note``."""
+        if self.last_route is not route:  # Module.__setattr__ is slow: repeated Routes are memoised objects
+            self.last_route = route
+        if route.training:
+            # The optimizer step that follows may update W_down without bumping its version (fused
+            # AdamW), so the cached transpose must be copied again before its next use.
+            self.invalidate_cache()
+        elif self._path == "auto" and self.auto_note is not route.note:
+            self.auto_note = route.note
+        op = route.op
+        if op == "dense":
+            return self._dense(x, measure=route.measure)
+        if op == "train":
+            return self._train_op(x, route)
+        if op == "backend":
+            return self.train_backend(self, x)
+        return self._sparse(x, route)
 
     @torch.compiler.disable  # a host read and a formatted note: eager even inside compiled code
     def _measure_activity(self, gate) -> None:
@@ -456,13 +520,17 @@ class SparseFFN(nn.Module):
         """Fix "auto"'s dense-or-sparse choice from the fraction of neurons active per token (one measurement)."""
         self._activity = active
         self._auto_dense = active > self.auto_max_active
+        self._timed = False
         if self._auto_dense:
             self._activity_note = (f"auto: {100 * active:.2f}% of neurons active per token on the first call "
                                    f"(> {100 * self.auto_max_active:.2f}%): dense from the next call on"
                                    + (", but for the decoding op on as few rows as keep their expected union "
                                       f"of active neurons within {100 * DECODE_MAX_UNION:.0f}% of H "
                                       "(decode_max_rows())" if self.decode_max_rows() else ""))
+        else:
+            self._activity_note = None
         self.auto_note = self._activity_note
+        self._changed()
 
     def decode_max_rows(self) -> int:
         """Up to how many rows "auto" takes the decoding op on a layer it runs dense by its measured activity
@@ -476,18 +544,6 @@ class SparseFFN(nn.Module):
         # the largest n with 1 - (1 - a)^n <= DECODE_MAX_UNION
         return min(self.decode_rows, int(math.log1p(-DECODE_MAX_UNION) / math.log1p(-a) + 1e-9))
 
-    def _in_dense_rows(self, rows: int) -> bool:
-        return self.dense_rows is not None and self.dense_rows[0] <= rows <= self.dense_rows[1]
-
-    def _decode_fits(self, rows: int) -> bool:
-        # dense_rows wins here as on sparse layers
-        return 0 < rows <= self.decode_max_rows() and not self.keep_gate and not self._in_dense_rows(rows)
-
-    def _check_width(self, x: torch.Tensor) -> None:
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x has {x.shape[-1]} features in its last dimension; this layer takes "
-                             f"hidden_size={self.hidden_size}")
-
     def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-activation that decides sparsity, hidden activation h) for input x, dense."""
         act = ACTIVATIONS[self.activation]
@@ -497,7 +553,7 @@ class SparseFFN(nn.Module):
         u = self.up_proj(x)
         return u, act(u)
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+    def _dense(self, x: torch.Tensor, measure: bool = False) -> torch.Tensor:
         pre, h = self.hidden(x)
         if self.track:
             active = pre > 0 if self.activation == "relu" else h != 0
@@ -508,8 +564,33 @@ class SparseFFN(nn.Module):
                 active_per_token=active.sum(-1, dtype=torch.int32).detach(),
                 neuron_active=active.reshape(-1, active.shape[-1]).any(0).detach(),
             )
-        self.last_path = "dense"
+        if measure:  # "auto" decides the layer on this call's tokens (one host sync, once)
+            note = self.auto_note
+            self._set_activity(float((~(pre <= 0)).sum(-1, dtype=torch.float32).mean()) / self.intermediate_size)
+            self.auto_note = f"{note}; {self._activity_note}" if self._activity_note else note
         return self.down_proj(h)
+
+    def _train_op(self, x: torch.Tensor, route: routing.Route) -> torch.Tensor:
+        """The training op (forward; its backward is sparse too) with the L1 statistics."""
+        if route.impl == "kernel":
+            from twell.kernels.training import train_gated_ffn
+        else:
+            from twell.reference.training import train_gated_ffn
+        dev = x.device.type
+        cast = torch.is_autocast_enabled(dev)
+        ws = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if cast:  # what F.linear does under autocast: bf16 copies, gradients flow back to the originals
+            dtype = torch.get_autocast_dtype(dev)
+            x2, ws = x2.to(dtype), [w.to(dtype) for w in ws]
+        x2 = x2.contiguous()
+        with torch.autocast(dev, enabled=False):
+            out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots)
+        if self.track:
+            self.stats = FFNStats(l1=l1 if self.track_l1 else l1.detach(), active_per_token=nnz.reshape(shape[:-1]),
+                                  neuron_active=active)
+        return out.reshape(*shape[:-1], out.shape[-1])
 
     def invalidate_cache(self) -> None:
         """Mark the cached W_down transpose (:meth:`w_down_t`) stale: the next sparse call copies the
@@ -591,7 +672,8 @@ class SparseFFN(nn.Module):
         return out
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_w_down_t": None}  # pickles and deep copies make their own
+        # pickles and deep copies make their own transpose and planning state
+        return {**super().__getstate__(), "_w_down_t": None, "_state": None}
 
     BIAS_ERROR = "the sparse TwELL paths support bias-free projections only (Llama MLPs have none unless mlp_bias=True)"
 
@@ -599,47 +681,44 @@ class SparseFFN(nn.Module):
         """Whether any projection carries a bias (the sparse paths take none: BIAS_ERROR)."""
         return any(p is not None and p.bias is not None for p in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def _sparse(self, x: torch.Tensor, *, use_kernel: bool, measure: bool = False,
-                checked: bool = False) -> torch.Tensor:
-        """The sparse forward; the caller (forward) has checked that this path can run the layer. With
-        ``checked`` ("auto"'s kernel route: bf16 CUDA input, bf16 contiguous aligned weights) the decoding op
-        skips its Python checks; the extension still checks every tensor (a RuntimeError, not a ValueError)."""
+    def _sparse(self, x: torch.Tensor, route: routing.Route) -> torch.Tensor:
+        """A sparse inference op of a Route: decode, sparse, gate-ffn or ffn on its impl. With
+        ``route.checked`` ("auto"'s kernel route: bf16 CUDA input, bf16 contiguous aligned weights) the
+        decoding op skips its Python checks; the extension still checks every tensor (a RuntimeError, not a
+        ValueError)."""
+        use_kernel = route.impl == "kernel"
         if use_kernel:
             from twell import kernels as impl
-
-            self.last_path = "twell-kernel"
         else:
             from twell import reference as impl
-
-            self.last_path = "twell-reference"
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         elif use_kernel and impl.misaligned(x2):
             x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
-        if use_kernel and self.gated and not (measure or self.keep_gate) and 0 < x2.shape[0] <= self.decode_rows:
+        op = route.op
+        gate = None
+        if op == "decode":
             # A few rows (generation): the gate read in full, only the active neurons' up and down rows
-            # (docs/decoding.md); no TwELL.
-            gate = None
-            # On "auto"'s checked route (x2 is contiguous and aligned here) the kernel op skips its Python
-            # checks (the extension still checks): host time a token-by-token loop pays per layer.
-            op = impl.decode_gated_ffn_trusted if checked else impl.decode_gated_ffn
-            out = op(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
-        elif self.gated and not (measure or self.keep_gate):
+            # (docs/decoding.md); no TwELL. On a checked route (x2 contiguous and aligned here) the op skips
+            # its Python checks: host time a token-by-token loop pays per layer.
+            fn = impl.decode_gated_ffn_trusted if route.checked else impl.decode_gated_ffn
+            out = fn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
+        elif op == "sparse":
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (docs/kernels.md §6).
-            gate = None
             out = impl.sparse_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(),
                                         self.tile, self.compression, union=self.union)
-        elif self.gated:  # the caller needs the TwELL: the gate op, then the fused op
+        elif op == "gate-ffn":  # the caller needs the TwELL: the gate op, then the fused op
             gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t(), union=self.union)
+        elif op == "ffn":
+            gate = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
+            out = impl.twell_ffn(gate, self.w_down_t())
         else:
-            act = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
-            out = impl.twell_ffn(act, self.w_down_t())
-            gate = act
-        if measure:
+            raise ValueError(f"not a sparse inference op: {route!r}")
+        if route.measure:
             self._measure_activity(gate)
         self.last_gate = gate if self.keep_gate else None
         poison = self.nonfinite_row()

@@ -8,31 +8,58 @@ step, smooths it over steps (exponential average, weight ``1 - smoothing`` on th
 sets the route for the next step: sparse at or below ``max_active`` (a fraction of the layer's
 neurons), dense again only above ``1.25 * max_active`` (no flapping around the threshold).
 The route changes between optimizer steps only, so an activation-checkpointed recompute always
-takes the route its forward took. A layer the kernels cannot run (bias, D > 2048, another dtype, a
-CPU tensor, hooks on the projections) runs dense, and ``ffn.train_note`` says why.
+takes the route its forward took.
+
+The backend owns each layer's training state (:class:`LayerTraining`: the route it asks for, the
+smoothed activity). Each call is planned by :func:`twell.nn.routing.plan_training`: a layer the op
+cannot run (bias, D above the kernels' limit, another dtype, a CPU tensor, hooks on the projections)
+runs dense with the reason in its ``last_route``, or raises with ``strict=True``
+(``train.sparse_kernels=always``). :meth:`SparseTraining.route_events` reports, per layer, what was
+asked, what ran and why, whenever any of it changed.
 """
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from twell.nn.routing import Route, pct, plan_training
 from twell.reference.training import TRAIN_SLOTS
 
 ROUTES = ("dense", "sparse")
 
 # Default activity threshold: the fraction of a layer's neurons active per token at or below which it
-# trains sparse. On an H200 at M = 16384, D 2048, H 5632 the kernels' forward and backward ran 1.18x
-# dense at 29 active (0.51%) and 0.90x at 64 (1.14%): break-even near 49 (0.87%); 0.8% keeps a margin
-# (docs/training_kernels.md).
+# trains sparse: below the measured break-even of the training op against dense
+# (docs/training_kernels.md, section 3).
 MAX_ACTIVE = 0.008
+# Default row floor: a forward of fewer rows (tokens) trains dense, where the training op's fixed costs
+# (gate GEMM, compaction, work list, launches) outweigh the skipped work (docs/routing.md, "Training").
+MIN_ROWS = 8192
+
+
+@dataclass
+class LayerTraining:
+    """One layer's state in a :class:`SparseTraining` backend.
+
+    route:     what the activity asks for on the next training calls, "dense" or "sparse"
+    activity:  smoothed fraction of the layer's neurons active per token (None: not measured yet)
+    reported:  (route, ran, why) as the last :meth:`SparseTraining.route_events` reported them
+    """
+
+    route: str
+    activity: Optional[float] = None
+    reported: Optional[tuple] = None
 
 
 class SparseTraining:
-    """Callable ``(ffn, x) -> out`` for ``SparseFFN.train_backend``; fills ``ffn.stats`` when tracking."""
+    """The training backend of SparseFFN layers: plans their training calls (:meth:`plan`), keeps their
+    routes (:meth:`update`) and reports what ran (:meth:`route_events`). Calling it, ``backend(ffn, x)``,
+    plans and runs one call."""
 
     def __init__(self, slots: int = TRAIN_SLOTS, max_active: float = MAX_ACTIVE, impl: str = "kernel",
-                 start: str = "dense", smoothing: float = 0.9):
+                 start: str = "dense", smoothing: float = 0.9, strict: bool = False, min_rows: int = MIN_ROWS):
         if impl not in ("kernel", "reference"):
             raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
         if not 0.0 <= max_active <= 1.0:
@@ -41,103 +68,98 @@ class SparseTraining:
             raise ValueError(f"start must be one of {ROUTES}, got {start!r}")
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+        if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 0:
+            raise ValueError(f"min_rows must be an integer >= 0, got {min_rows!r}")
         self.slots = slots
         self.max_active = max_active
         self.smoothing = smoothing
         self.impl = impl
         self.start = start
+        self.strict = strict
+        self.min_rows = min_rows
+        # per layer, keyed by the module itself (weakly: a dropped model frees its entries)
+        self.layers: "weakref.WeakKeyDictionary[torch.nn.Module, LayerTraining]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
-        return f"SparseTraining(impl={self.impl!r}, slots={self.slots}, max_active={self.max_active})"
+        return (f"SparseTraining(impl={self.impl!r}, slots={self.slots}, max_active={self.max_active}, "
+                f"min_rows={self.min_rows}" + (", strict" if self.strict else "") + ")")
 
-    def _fn(self):
-        if self.impl == "kernel":
-            from twell.kernels.training import train_gated_ffn
-        else:
-            from twell.reference.training import train_gated_ffn
-        return train_gated_ffn
+    def layer(self, ffn) -> LayerTraining:
+        """The backend's state of one layer (made on first use, with the start route)."""
+        st = self.layers.get(ffn)
+        if st is None:
+            st = self.layers[ffn] = LayerTraining(route=self.start)
+        return st
 
     def route(self, ffn) -> str:
-        return getattr(ffn, "train_route", self.start)
+        """The route this layer's next training calls ask for: "dense" or "sparse"."""
+        return self.layer(ffn).route
 
-    def unsupported(self, ffn, x: torch.Tensor, dtype: torch.dtype) -> str:
-        """Why this backend cannot run ``ffn`` on x (computed in ``dtype``), or ``''``."""
-        if not ffn.gated or ffn.activation != "relu":
-            return "the training kernels run ReLU-gated layers"
-        if ffn.has_bias():
-            return ffn.BIAS_ERROR
-        why = ffn._bypassed()
-        if why:
-            return why
-        if dtype != torch.bfloat16:
-            return f"the training kernels compute in bfloat16, this forward in {dtype}"
-        D = ffn.hidden_size
-        if D % 8 or D > 2048:
-            return f"the training kernels need D to be a multiple of 8 and at most 2048, got {D}"
-        if self.impl == "kernel":
-            if not x.is_cuda:
-                return f"input on {x.device}"
-            from twell.nn.ffn import _kernels_unavailable
+    def _why(self, st: LayerTraining) -> str:
+        if st.activity is None:
+            return f"start route {st.route}, activity not measured yet"
+        rel = "<=" if st.activity <= self.max_active else ">"
+        return f"{pct(st.activity)} active per token {rel} {pct(self.max_active)}"
 
-            why = _kernels_unavailable()
-            if why:
-                return f"kernels unavailable: {why}"
-        return ""
+    def plan(self, ffn, x: torch.Tensor) -> Route:
+        """The Route of one training call of ``ffn`` on x (pure: changes nothing)."""
+        st = self.layer(ffn)
+        dev = x.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        sparse, why = st.route == "sparse", self._why(st)
+        if sparse and rows < self.min_rows:
+            sparse, why = False, f"{rows} rows per forward < min_rows {self.min_rows}; {why}"
+        return plan_training(ffn.layer_state(), x, sparse=sparse, impl=self.impl,
+                             strict="train.sparse_kernels=always" if self.strict else None,
+                             autocast_dtype=cast, why=why)
 
     def __call__(self, ffn, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        cast = torch.is_autocast_enabled(dev)
-        dtype = torch.get_autocast_dtype(dev) if cast else x.dtype
-        ws = [ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight]
-        why = self.unsupported(ffn, x, dtype)
-        if not why and not cast and any(w.dtype != x.dtype for w in ws):
-            why = f"x is {x.dtype}, the weights {sorted({str(w.dtype) for w in ws})}"
-        if why or self.route(ffn) == "dense":
-            ffn.train_note = why or "dense: activity above the threshold (or not measured yet)"
-            return ffn._dense(x)
-        ffn.train_note = ""
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if cast:  # what F.linear does under autocast: bf16 copies, gradients flow back to the originals
-            x2, ws = x2.to(dtype), [w.to(dtype) for w in ws]
-        x2 = x2.contiguous()
-        with torch.autocast(dev, enabled=False):
-            out, l1, nnz, active = self._fn()(x2, *ws, slots=self.slots)
-        if ffn.track:
-            from twell.nn.ffn import FFNStats
-
-            ffn.stats = FFNStats(l1=l1 if ffn.track_l1 else l1.detach(), active_per_token=nnz.reshape(shape[:-1]),
-                                 neuron_active=active)
-        ffn.last_path = f"train-{self.impl}"
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return ffn.run(self.plan(ffn, x), x)
 
     def update(self, ffns: Sequence, active_mean: Sequence[float]) -> Optional[list[str]]:
         """Set each layer's route from its mean active neurons per token (one value per layer, e.g.
         the sparsity tracker's ``active_mean`` of the last step), smoothed over the calls
-        (``ffn.train_activity`` holds the smoothed fraction). Returns the new routes when any changed,
+        (``layer(ffn).activity`` holds the smoothed fraction). Returns the new routes when any changed,
         else None."""
         if len(active_mean) != len(ffns):
             raise ValueError(f"{len(ffns)} layers but {len(active_mean)} activity values")
         changed = False
         for ffn, a in zip(ffns, active_mean):
+            st = self.layer(ffn)
             frac = float(a) / ffn.intermediate_size
-            seen = getattr(ffn, "train_activity", None)
-            frac = frac if seen is None else self.smoothing * seen + (1 - self.smoothing) * frac
-            ffn.train_activity = frac
-            now = self.route(ffn)
-            new = "sparse" if frac <= self.max_active else ("dense" if frac > 1.25 * self.max_active else now)
-            if new != now or not hasattr(ffn, "train_route"):
-                changed = changed or new != now
-                ffn.train_route = new
+            frac = frac if st.activity is None else self.smoothing * st.activity + (1 - self.smoothing) * frac
+            st.activity = frac
+            new = "sparse" if frac <= self.max_active else ("dense" if frac > 1.25 * self.max_active else st.route)
+            changed = changed or new != st.route
+            st.route = new
         return [self.route(f) for f in ffns] if changed else None
 
+    def route_events(self, ffns: Sequence) -> Optional[dict]:
+        """``{"routes", "ran", "why"}`` (one entry per layer: the route asked for the next calls, the path
+        the last training call ran, its Route's reason) when any of them changed since the last report,
+        else None. Call it after :meth:`update`, between steps."""
+        now = []
+        for f in ffns:
+            r = f.last_route
+            ran = (r.path, r.reason) if r is not None and r.training else (None, "")
+            now.append((self.route(f), *ran))
+        changed = False
+        for f, rec in zip(ffns, now):
+            st = self.layer(f)
+            changed = changed or st.reported != rec
+            st.reported = rec
+        if not changed:
+            return None
+        return {"routes": [r[0] for r in now], "ran": [r[1] for r in now], "why": [r[2] for r in now]}
 
-def use_sparse_training(model, backend: Optional[SparseTraining] = None) -> SparseTraining:
+
+def use_sparse_training(model: torch.nn.Module, backend: Optional[SparseTraining] = None) -> SparseTraining:
     """Plug ``backend`` (default: a new :class:`SparseTraining`) into every SparseFFN of the model."""
-    from twell.model import sparse_ffns
+    from twell.nn.ffn import SparseFFN
 
     backend = backend or SparseTraining()
-    ffns = sparse_ffns(model)
+    ffns = [m for m in model.modules() if isinstance(m, SparseFFN)]
     if not ffns:
         raise ValueError("the model has no SparseFFN layers")
     for f in ffns:

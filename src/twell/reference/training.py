@@ -15,6 +15,8 @@ from twell.formats import check_tensor
 # Active neurons a row may have and still take the sparse path (more: the row runs dense). The
 # paper's hybrid training format uses the same 128.
 TRAIN_SLOTS = 128
+# The widest layer (D, a multiple of 8) the training kernels take; the reference takes any.
+TRAIN_MAX_D = 2048
 
 
 def check_train_args(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int) -> None:

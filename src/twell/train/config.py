@@ -76,6 +76,9 @@ class TrainConfig:
     # never. (Not on/off: YAML reads those as booleans.)
     sparse_kernels: str = "auto"
     sparse_max_active: float = 0.008  # a layer trains sparse at or below this active fraction (smoothed over steps)
+    # ... and on forwards of at least this many tokens (micro_batch x seq_len): fewer train faster dense
+    # (docs/routing.md, "Training")
+    sparse_min_tokens: int = 8192
     tf32: bool = True
     export_dtype: str | None = "bf16"  # dtype of the final Hugging Face export (None: keep fp32)
     export_max_shard: str = "2GB"
@@ -162,6 +165,8 @@ class RunConfig:
             raise ValueError(f"train.sparse_kernels must be auto, always or never, got {t.sparse_kernels!r}")
         if not 0 <= t.sparse_max_active <= 1:
             raise ValueError(f"train.sparse_max_active is a fraction in [0, 1], got {t.sparse_max_active}")
+        if isinstance(t.sparse_min_tokens, bool) or not isinstance(t.sparse_min_tokens, int) or t.sparse_min_tokens < 0:
+            raise ValueError(f"train.sparse_min_tokens must be an integer >= 0, got {t.sparse_min_tokens!r}")
         if t.export_dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"train.export_dtype must be bf16, fp32 or null, got {t.export_dtype!r}")
         for name in ("eval_tokens", "eval_micro_batch"):  # None: the whole split / micro_batch

@@ -28,6 +28,7 @@ import yaml
 
 from twell.data.loader import TokenBlocks, TrainOrder, val_block_count, val_shards
 from twell.data.prepare import FORMAT_VERSION, PreparedData, prepare_data
+from twell.data.budget import check_run_budget
 from twell.model import build_model, count_parameters, save_pretrained, set_tracking, sparse_ffns
 from twell.paths import repo_root
 from twell.train.checkpoint import CheckpointManager
@@ -117,7 +118,8 @@ class Trainer:
         # the evaluation's settings fail here, not after eval_every steps of training
         val_block_count(self.val_blocks, max_tokens=t.eval_tokens, world=self.info.world,
                         micro_batch=t.eval_micro_batch or t.micro_batch)
-        self.order = TrainOrder(self.train_blocks, t.data_seed)
+        check_run_budget(cfg, self.data)  # data.max_epochs: refuse a run that would repeat tokens
+        self.order = TrainOrder(self.train_blocks, t.data_seed, max_epochs=cfg.data.max_epochs)
         self.accum = t.global_batch // (t.micro_batch * self.info.world)
         window = s.dead_window_tokens or cfg.tokens_per_step
         self.tracker = SparsityTracker(cfg.model.num_layers, cfg.model.intermediate_size, t.seq_len,
@@ -162,7 +164,8 @@ class Trainer:
 
         m = cfg.train.sparse_max_active
         # max_active 1 admits any activity: sparse from the first step, before any is measured
-        backend = SparseTraining(max_active=m, start="sparse" if m >= 1 else "dense")
+        backend = SparseTraining(max_active=m, start="sparse" if m >= 1 else "dense", strict=mode == "always",
+                                 min_rows=cfg.train.sparse_min_tokens)
         return use_sparse_training(model, backend), ""
 
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
@@ -399,9 +402,11 @@ class Trainer:
             raw = self._train_step(self.step)
             self.step += 1
             if self.sparse_training is not None:  # routes change between steps only (checkpoint recomputes agree)
-                routes = self.sparse_training.update(self.ffns, raw["active_mean"].tolist())
+                self.sparse_training.update(self.ffns, raw["active_mean"].tolist())
+                # per layer: the route of the next steps, the path the last step ran and why
+                routes = self.sparse_training.route_events(self.ffns)
                 if routes is not None:
-                    self._event("ffn-routes", routes=routes)
+                    self._event("ffn-routes", **routes)
             if s.reinit_dead and self.step % s.reinit_every == 0:
                 # The tracker's counters are reduced over ranks; the AND keeps every rank's decision the same anyway.
                 dead = all_ranks_true(self.tracker.dead_mask(), self.info)
