@@ -197,6 +197,8 @@ class SparseFFN(nn.Module):
         # The training backend (twell.nn.sparse_training.SparseTraining, which plans training calls), or any
         # callable (module, x) -> out that fills module.stats when tracking.
         self.train_backend = None
+        # That backend's state of this layer (twell.nn.sparse_training.LayerTraining); only it writes this.
+        self.train_state = None
         self.track = False
         self.track_l1 = True
         self.stats: Optional[FFNStats] = None
@@ -444,7 +446,7 @@ class SparseFFN(nn.Module):
             path=self.path, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
             backend="none" if b is None else ("sparse-training" if hasattr(b, "plan") else "custom"),
-            no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(sorted({w.dtype for w in ws}, key=str)),
+            no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)),
             no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(),
             decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
             timed=self._timed, activity=self._activity, auto_max_active=self.auto_max_active,

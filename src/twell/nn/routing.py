@@ -100,7 +100,7 @@ class LayerState:
     keep_gate: bool
     backend: str  # "none", "sparse-training" or "custom"
     no_sparse_why: str
-    weight_dtypes: tuple[torch.dtype, ...]  # the projections' weight dtypes, one entry per distinct dtype
+    weight_dtypes: tuple[torch.dtype, ...]  # the projections' distinct weight dtypes, in projection order
     no_kernel_why: str
     no_train_why: str
     decode_rows: int

@@ -19,8 +19,7 @@ asked, what ran and why, whenever any of it changed.
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -51,6 +50,7 @@ class LayerTraining:
     route: str
     activity: Optional[float] = None
     reported: Optional[tuple] = None
+    owner: Optional["SparseTraining"] = field(default=None, repr=False, compare=False)  # the backend it belongs to
 
 
 class SparseTraining:
@@ -77,18 +77,18 @@ class SparseTraining:
         self.start = start
         self.strict = strict
         self.min_rows = min_rows
-        # per layer, keyed by the module itself (weakly: a dropped model frees its entries)
-        self.layers: "weakref.WeakKeyDictionary[torch.nn.Module, LayerTraining]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return (f"SparseTraining(impl={self.impl!r}, slots={self.slots}, max_active={self.max_active}, "
                 f"min_rows={self.min_rows}" + (", strict" if self.strict else "") + ")")
 
     def layer(self, ffn) -> LayerTraining:
-        """The backend's state of one layer (made on first use, with the start route)."""
-        st = self.layers.get(ffn)
-        if st is None:
-            st = self.layers[ffn] = LayerTraining(route=self.start)
+        """The backend's state of one layer (made on first use, with the start route). It is kept in the
+        layer's declared ``train_state`` slot, which only the backend writes: a plain module attribute is
+        what compiled code reads without a graph break, and it goes with the layer (copies, FSDP2)."""
+        st = ffn.train_state
+        if st is None or st.owner is not self:
+            st = ffn.train_state = LayerTraining(route=self.start, owner=self)
         return st
 
     def route(self, ffn) -> str:
