@@ -18,7 +18,7 @@ def _state(**kw) -> LayerState:
     base = dict(path="auto", hidden_size=64, intermediate_size=128, gated=True, activation="relu", track=False,
                 keep_gate=False, backend="none", no_sparse_why="", weight_dtypes=(BF,), no_kernel_why="",
                 no_train_why="", decode_rows=16, dense_rows=(17, 2047), auto_dense=False, timed=False,
-                activity=0.002, auto_max_active=0.01, ceilings=routing.AUTO_CEILINGS, decode_max_rows=16,
+                activity=0.002, activity_text="0.20%", auto_max_active=0.01, ceilings=routing.AUTO_CEILINGS, decode_max_rows=16,
                 choice_note=None, train_slots=128)
     base.update(kw)
     return LayerState(**base)
@@ -338,3 +338,54 @@ def test_auto_on_the_kernels_route_measures_once_then_plans_from_the_state(monke
         assert first.op == "sparse" and not first.measure and f.plan(x) is first
         f(x)
     assert f.last_route is first
+
+
+def test_layer_state_survives_a_replaced_parameter_and_sees_tiling():
+    """A new Parameter object for a weight (load_state_dict(assign=True)) rebuilds the state instead of
+    comparing tensors; tile and compression are part of what the state depends on."""
+    f = _layer()
+    x = torch.randn(8, 64, dtype=BF)
+    with torch.no_grad():
+        f(x)
+        f.load_state_dict({k: v.clone() for k, v in f.state_dict().items()}, assign=True)
+        assert f.plan(x).impl == "reference"
+        f.up_proj.weight = torch.nn.Parameter(f.up_proj.weight.detach().clone())
+        f(x)
+    before = f.layer_state()
+    f.tile, f.compression = 128, 8
+    assert f.layer_state() is not before
+
+
+def test_training_slots_reach_the_op(monkeypatch):
+    import twell.reference.training as rt
+
+    seen = []
+    real = rt.train_gated_ffn
+
+    def spy(*a, slots):
+        seen.append(slots)
+        return real(*a, slots=slots)
+
+    monkeypatch.setattr(rt, "train_gated_ffn", spy)
+    f = _layer()
+    f.track = True
+    f.train_backend = SparseTraining(min_rows=0, impl="reference", start="sparse", slots=32)
+    f(torch.randn(4, 64, dtype=BF, requires_grad=True))
+    assert seen == [32] and f.last_route.slots == 32
+
+
+def test_route_reasons_change_only_with_the_route():
+    """The smoothed activity moves every step; the reason (and so the route events) only when the route
+    changes: the log is not one event per step."""
+    f = _layer(H=100)
+    f.track = True
+    b = SparseTraining(min_rows=0, impl="reference", max_active=0.1, smoothing=0.5)
+    f.train_backend = b
+    x = torch.randn(4, 64, dtype=BF, requires_grad=True)
+    events = 0
+    for a in (5, 6, 7, 6, 5, 30, 30, 30):
+        f(x)
+        b.update([f], [a])
+        events += b.route_events([f]) is not None
+    # step 1 (dense ran, sparse asked), step 2 (sparse ran), step 6 (dense asked), step 7 (dense ran)
+    assert b.route(f) == "dense" and events == 4

@@ -24,7 +24,7 @@ records it in ``last_route`` (``last_path`` is its short name, ``auto_note`` its
   than bfloat16, tracking, ...). On its first call on the kernels' route it measures the layer's
   activity (one host sync, once); it then runs a sparse op only where the activity is under the
   ceiling measured for the row count (``routing.AUTO_CEILINGS``, ``auto_max_active``), dense on
-  ``dense_rows`` (17-1023 by default), and the decoding op ``decode_gated_ffn`` on at most
+  ``dense_rows`` (17-2047 by default), and the decoding op ``decode_gated_ffn`` on at most
   ``decode_rows`` rows (also on layers dense by activity while the rows' expected union of active
   neurons stays within ``DECODE_MAX_UNION`` of H: ``decode_max_rows()``).
   ``twell.model.choose_union_paths`` and ``choose_row_paths`` replace these rules by timings.
@@ -192,6 +192,7 @@ class SparseFFN(nn.Module):
         self._auto_dense: Optional[bool] = None  # None: not measured yet, no timed choice
         self._timed = False  # the choice came from set_auto_choice (timings), not from the activity
         self._activity: Optional[float] = None  # the fraction of neurons active per token "auto" measured
+        self._activity_text = ""  # the same as a percentage, formatted when measured (planning formats no float)
         self._activity_note: Optional[str] = None
         self.path = path
         # The training backend (twell.nn.sparse_training.SparseTraining, which plans training calls), or any
@@ -300,6 +301,7 @@ class SparseFFN(nn.Module):
         loading other weights)."""
         self._auto_dense = self._activity = None
         self.auto_note = self._activity_note = None
+        self._activity_text = ""
         self._timed = False
         self._changed()
 
@@ -406,8 +408,10 @@ class SparseFFN(nn.Module):
         """What the cached LayerState depends on beyond the setters (which bump ``_state_gen``): plain
         attributes, the projection modules, their hooks and own forwards, weights, dtypes and addresses.
         Read on every eager call, so kept to attribute reads."""
+        # ids where objects could define __eq__ (a Parameter's would compare elementwise)
         key = (self._state_gen, self.track, self.keep_gate, self.activation, self.auto_max_active,
-               self.train_backend)
+               id(self.train_backend), self.tile, self.compression, self.hidden_size, self.intermediate_size,
+               self.gated)
         mods = self._modules
         for name in ("gate_proj", "up_proj", "down_proj"):
             m = mods.get(name)
@@ -417,8 +421,8 @@ class SparseFFN(nn.Module):
             params = m._parameters
             w = params.get("weight")
             # len(__dict__): a patched forward (or any new instance attribute) rebuilds the state
-            key += (m, m.__class__, len(m.__dict__), len(m._forward_hooks) + len(m._forward_pre_hooks),
-                    params.get("bias") is None, w)
+            key += (id(m), m.__class__, len(m.__dict__), len(m._forward_hooks) + len(m._forward_pre_hooks),
+                    params.get("bias") is None, id(w))
             if w is not None:
                 key += (w.dtype, w.data_ptr(), w.is_contiguous())
         return key
@@ -449,7 +453,8 @@ class SparseFFN(nn.Module):
             no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)),
             no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(),
             decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
-            timed=self._timed, activity=self._activity, auto_max_active=self.auto_max_active,
+            timed=self._timed, activity=self._activity, activity_text=self._activity_text,
+            auto_max_active=self.auto_max_active,
             ceilings=self.auto_ceilings,
             decode_max_rows=self.decode_max_rows(), choice_note=self._activity_note, train_slots=TRAIN_SLOTS)
 
@@ -521,6 +526,7 @@ class SparseFFN(nn.Module):
     def _set_activity(self, active: float) -> None:
         """Fix "auto"'s dense-or-sparse choice from the fraction of neurons active per token (one measurement)."""
         self._activity = active
+        self._activity_text = routing.pct(active)
         self._auto_dense = active > self.auto_max_active
         self._timed = False
         if self._auto_dense:

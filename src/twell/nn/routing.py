@@ -41,10 +41,10 @@ AUTO_MAX_ACTIVE = 0.01
 UNAVAILABLE = "kernels unavailable: "
 
 
-@torch.compiler.assume_constant_result
 def pct(fraction: float) -> str:
-    """``0.0123`` -> ``"1.23%"``. Compiled code takes the text as a constant: some dynamo versions cannot
-    trace a float's format spec."""
+    """``0.0123`` -> ``"1.23%"``. For eager code only: planning, which compiled code traces, formats no
+    float (some dynamo versions cannot trace a format spec, and a per-layer value would be a guard); it
+    reads texts made when the values were set (``LayerState.activity_text``)."""
     return f"{100 * fraction:.2f}%"
 
 
@@ -108,6 +108,7 @@ class LayerState:
     auto_dense: Optional[bool]  # None: "auto" has not decided yet (activity not measured, no timed choice)
     timed: bool  # the choice came from timings (set_auto_choice), not from the measured activity
     activity: Optional[float]  # fraction of neurons active per token "auto" measured
+    activity_text: str  # the same as a percentage, formatted when it was measured ('' before)
     auto_max_active: float
     ceilings: tuple  # SparseFFN.auto_ceilings
     decode_max_rows: int  # rows up to which a layer run dense by activity still takes the decoding op
@@ -177,8 +178,8 @@ def _auto_kernel(state: LayerState, rows: int, *, compiling: bool, capturing: bo
         if 0 < rows <= state.decode_max_rows and not state.keep_gate and not _in(state.dense_rows, rows):
             return Route("decode", "kernel", f"{state.choice_note}; {rows} rows: decoding op", checked=True,
                          note=state.choice_note)
-        why = state.choice_note or (f"auto: dense ({pct(state.activity)} of neurons active per token > "
-                                    f"{pct(state.auto_max_active)})" if state.activity is not None
+        why = state.choice_note or (f"auto: dense ({state.activity_text} of neurons active per token, above "
+                                    "auto_max_active)" if state.activity is not None
                                     else "auto: dense (chosen by timings)")
         return Route("dense", "torch", why, note=state.choice_note)
     if _in(state.dense_rows, rows):
@@ -192,8 +193,8 @@ def _auto_kernel(state: LayerState, rows: int, *, compiling: bool, capturing: bo
     if state.activity is not None and not state.timed and rows > state.decode_rows:
         c = ceiling(rows, state.auto_max_active, state.ceilings)
         if state.activity > c:
-            note = (f"auto: dense at {rows} rows ({pct(state.activity)} of neurons active per token; "
-                    + (f"the sparse op is faster at this row count up to {pct(c)})" if c >= 0 else
+            note = (f"auto: dense at {rows} rows ({state.activity_text} of neurons active per token; "
+                    + ("above the ceiling for this row count, auto_ceilings)" if c >= 0 else
                        "the sparse op is slower than dense at this row count)"))
             return Route("dense", "torch", note, note=note)
     if state.auto_dense is None:
@@ -283,9 +284,10 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
 
 
 def plan_training(state: LayerState, x: torch.Tensor, *, sparse: bool, impl: str, strict: Optional[str] = None,
-                  autocast_dtype: Optional[torch.dtype] = None, why: str = "") -> Route:
+                  autocast_dtype: Optional[torch.dtype] = None, why: str = "", slots: Optional[int] = None) -> Route:
     """The Route of a training call: the training op on ``impl`` when ``sparse`` and the op can run the
-    layer, else dense, with the reason (``why``: the caller's reason for its choice). ``strict`` names
+    layer, else dense, with the reason (``why``: the caller's reason for its choice; ``slots``: the op's
+    ELL slots per row, default the layer's). ``strict`` names
     what demands the op (``"train.sparse_kernels=always"``, an explicit path): where the op cannot run
     the layer, raise instead of running dense."""
     dtype = autocast_dtype or x.dtype
@@ -309,4 +311,5 @@ def plan_training(state: LayerState, x: torch.Tensor, *, sparse: bool, impl: str
         return Route("dense", "torch", f"training: dense ({cannot})", training=True)
     if not sparse:
         return Route("dense", "torch", f"training: dense ({why or 'by choice'})", training=True)
-    return Route("train", impl, f"training: sparse ({why or 'by choice'})", slots=state.train_slots, training=True)
+    return Route("train", impl, f"training: sparse ({why or 'by choice'})", slots=slots or state.train_slots,
+                 training=True)

@@ -44,11 +44,14 @@ class LayerTraining:
 
     route:     what the activity asks for on the next training calls, "dense" or "sparse"
     activity:  smoothed fraction of the layer's neurons active per token (None: not measured yet)
+    why:       why the route is what it is, written when it was set (compiled code reads it; no float is
+               formatted there, and a reason that changed every step would log an event every step)
     reported:  (route, ran, why) as the last :meth:`SparseTraining.route_events` reported them
     """
 
     route: str
     activity: Optional[float] = None
+    why: str = ""
     reported: Optional[tuple] = None
     owner: Optional["SparseTraining"] = field(default=None, repr=False, compare=False)  # the backend it belongs to
 
@@ -88,7 +91,8 @@ class SparseTraining:
         what compiled code reads without a graph break, and it goes with the layer (copies, FSDP2)."""
         st = ffn.train_state
         if st is None or st.owner is not self:
-            st = ffn.train_state = LayerTraining(route=self.start, owner=self)
+            st = ffn.train_state = LayerTraining(route=self.start, why=f"start route {self.start}, activity not "
+                                                 "measured yet", owner=self)
         return st
 
     def route(self, ffn) -> str:
@@ -96,10 +100,9 @@ class SparseTraining:
         return self.layer(ffn).route
 
     def _why(self, st: LayerTraining) -> str:
-        if st.activity is None:
-            return f"start route {st.route}, activity not measured yet"
         rel = "<=" if st.activity <= self.max_active else ">"
-        return f"{pct(st.activity)} active per token {rel} {pct(self.max_active)}"
+        return (f"{pct(st.activity)} active per token {rel} {pct(self.max_active)} when the route was set"
+                + (" (within the band up to 1.25x: kept)" if st.route == "sparse" and rel == ">" else ""))
 
     def plan(self, ffn, x: torch.Tensor) -> Route:
         """The Route of one training call of ``ffn`` on x (pure: changes nothing)."""
@@ -107,12 +110,12 @@ class SparseTraining:
         dev = x.device.type
         cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        sparse, why = st.route == "sparse", self._why(st)
+        sparse, why = st.route == "sparse", st.why
         if sparse and rows < self.min_rows:
             sparse, why = False, f"{rows} rows per forward < min_rows {self.min_rows}; {why}"
         return plan_training(ffn.layer_state(), x, sparse=sparse, impl=self.impl,
                              strict="train.sparse_kernels=always" if self.strict else None,
-                             autocast_dtype=cast, why=why)
+                             autocast_dtype=cast, why=why, slots=self.slots)
 
     def __call__(self, ffn, x: torch.Tensor) -> torch.Tensor:
         return ffn.run(self.plan(ffn, x), x)
@@ -127,12 +130,15 @@ class SparseTraining:
         changed = False
         for ffn, a in zip(ffns, active_mean):
             st = self.layer(ffn)
+            first = st.activity is None
             frac = float(a) / ffn.intermediate_size
-            frac = frac if st.activity is None else self.smoothing * st.activity + (1 - self.smoothing) * frac
+            frac = frac if first else self.smoothing * st.activity + (1 - self.smoothing) * frac
             st.activity = frac
             new = "sparse" if frac <= self.max_active else ("dense" if frac > 1.25 * self.max_active else st.route)
-            changed = changed or new != st.route
-            st.route = new
+            if new != st.route or first:
+                changed = changed or new != st.route
+                st.route = new
+                st.why = self._why(st)
         return [self.route(f) for f in ffns] if changed else None
 
     def route_events(self, ffns: Sequence) -> Optional[dict]:
