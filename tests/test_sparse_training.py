@@ -255,3 +255,25 @@ def test_forwards_below_the_row_floor_train_dense_and_say_why():
     cfg.train.sparse_min_tokens = -5
     with pytest.raises(ValueError, match="sparse_min_tokens"):
         cfg.validate()
+
+
+def test_compiled_layers_train_without_graph_breaks_as_routes_and_activity_move():
+    """Per-layer torch.compile (as train.compile applies it) of layers on the training backend: the
+    activities differ between layers and move every step, the routes switch once; planning must not
+    break the graphs (a float formatted in traced code did), and recompiles stay bounded."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    be = SparseTraining(impl="reference", start="sparse", min_rows=0, max_active=0.1, smoothing=0.5)
+    fs = [_ffn(D=64, H=256, seed=i) for i in range(3)]
+    for f in fs:
+        f.train_backend = be
+    compiled = [torch.compile(f, backend="eager") for f in fs]
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    for step in range(6):
+        for c in compiled:
+            (c(x).float().sum() + c._orig_mod.stats.l1).backward()
+        be.update(fs, [5.0 + step + 3 * i + (40 if step == 3 else 0) for i in range(3)])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert {f.last_path for f in fs} <= {"train-reference", "dense"}
