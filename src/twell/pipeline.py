@@ -255,7 +255,9 @@ def plan(
                 f"{name}: parameters {unknown} (profile {profile!r} or --set) are not defined in the parameters "
                 f"cell of {source} (it defines: {', '.join(sorted(declared))})"
             )
-        params.update(profile=profile, reports_dir=str(paths.reports))
+        # relative to the notebook's folder (the kernel's working directory) where both lie in one checkout:
+        # an executed copy then names no machine's absolute path
+        params.update(profile=profile, reports_dir=portable_path(paths.reports, source.parent))
         runs.append(PlannedRun(name, source, paths.reports / "notebooks" / f"{name}.ipynb", params))
     return runs
 
@@ -382,18 +384,48 @@ def run_pipeline(
                     execution_timeout=cell_timeout,
                 )
             except Exception as exc:  # any failure stops the pipeline; reported with the cell
+                strip_absolute_paths(run.output)
                 failure, cell = _describe_failure(run.notebook, exc)
                 results.append(
                     NotebookResult(run.notebook, "failed", time.perf_counter() - t0, run.output, run.parameters,
                                    error=failure, failed_cell=cell)
                 )
                 continue
+            strip_absolute_paths(run.output)
             results.append(NotebookResult(run.notebook, "ok", time.perf_counter() - t0, run.output, run.parameters))
         bar.close()
     _write_run_record(paths.reports, profile, results)
     if failure is not None:
         raise NotebookFailedError(f"{failure} (executed notebook with the error: {_failed_output(results)})", results)
     return results
+
+
+def portable_path(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` when both lie in this checkout, else absolute (a folder elsewhere)."""
+    root = repo_root().resolve()
+    path, base = Path(path).resolve(), Path(base).resolve()
+    if path.is_relative_to(root) and base.is_relative_to(root):
+        return os.path.relpath(path, base)
+    return str(path)
+
+
+def strip_absolute_paths(notebook: Path) -> None:
+    """Rewrite the checkout's absolute path out of an executed notebook's papermill metadata (input and
+    output paths, relative to the checkout after this): committed copies name no development machine."""
+    notebook = Path(notebook)
+    if not notebook.is_file():
+        return
+    nb = json.loads(notebook.read_text())
+    meta = nb.get("metadata", {}).get("papermill", {})
+    root = repo_root().resolve()
+    changed = False
+    for key in ("input_path", "output_path"):
+        v = meta.get(key)
+        if isinstance(v, str) and Path(v).is_absolute() and Path(v).resolve().is_relative_to(root):
+            meta[key] = str(Path(v).resolve().relative_to(root))
+            changed = True
+    if changed:
+        notebook.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
 
 
 def _failed_output(results: list[NotebookResult]) -> Path | None:
