@@ -255,9 +255,7 @@ def plan(
                 f"{name}: parameters {unknown} (profile {profile!r} or --set) are not defined in the parameters "
                 f"cell of {source} (it defines: {', '.join(sorted(declared))})"
             )
-        # relative to the notebook's folder (the kernel's working directory) where both lie in one checkout:
-        # an executed copy then names no machine's absolute path
-        params.update(profile=profile, reports_dir=portable_path(paths.reports, source.parent))
+        params.update(profile=profile, reports_dir=str(paths.reports))
         runs.append(PlannedRun(name, source, paths.reports / "notebooks" / f"{name}.ipynb", params))
     return runs
 
@@ -384,14 +382,14 @@ def run_pipeline(
                     execution_timeout=cell_timeout,
                 )
             except Exception as exc:  # any failure stops the pipeline; reported with the cell
-                strip_absolute_paths(run.output)
+                strip_absolute_paths(run.output, run.source.parent)
                 failure, cell = _describe_failure(run.notebook, exc)
                 results.append(
                     NotebookResult(run.notebook, "failed", time.perf_counter() - t0, run.output, run.parameters,
                                    error=failure, failed_cell=cell)
                 )
                 continue
-            strip_absolute_paths(run.output)
+            strip_absolute_paths(run.output, run.source.parent)
             results.append(NotebookResult(run.notebook, "ok", time.perf_counter() - t0, run.output, run.parameters))
         bar.close()
     _write_run_record(paths.reports, profile, results)
@@ -409,9 +407,11 @@ def portable_path(path: Path, base: Path) -> str:
     return str(path)
 
 
-def strip_absolute_paths(notebook: Path) -> None:
-    """Rewrite the checkout's absolute path out of an executed notebook's papermill metadata (input and
-    output paths, relative to the checkout after this): committed copies name no development machine."""
+def strip_absolute_paths(notebook: Path, cwd: Path) -> None:
+    """Rewrite the checkout's absolute paths out of an executed notebook, so committed copies name no
+    development machine: papermill's input and output paths become relative to the checkout, and the
+    injected ``reports_dir`` relative to ``cwd`` (the notebook's folder, where its kernel ran: the same
+    directory). The notebook ran with the absolute path: some of its calls resolve paths elsewhere."""
     notebook = Path(notebook)
     if not notebook.is_file():
         return
@@ -423,6 +423,18 @@ def strip_absolute_paths(notebook: Path) -> None:
         v = meta.get(key)
         if isinstance(v, str) and Path(v).is_absolute() and Path(v).resolve().is_relative_to(root):
             meta[key] = str(Path(v).resolve().relative_to(root))
+            changed = True
+    params = meta.get("parameters", {})
+    given = params.get("reports_dir")
+    if isinstance(given, str) and Path(given).is_absolute():
+        rel = portable_path(Path(given), cwd)
+        if rel != given:
+            params["reports_dir"] = rel
+            for cell in nb.get("cells", []):
+                if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+                    src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                    new = src.replace(json.dumps(given), json.dumps(rel))
+                    cell["source"] = new.splitlines(keepends=True) if isinstance(cell["source"], list) else new
             changed = True
     if changed:
         notebook.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")

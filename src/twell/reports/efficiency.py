@@ -47,7 +47,7 @@ def load_results(paths: Iterable[str | Path]) -> list[dict]:
     out = []
     for p in paths:
         path = Path(p)
-        if not path.is_absolute():
+        if not path.is_absolute() and not path.exists():  # as the profiles give them: from the checkout
             path = repo_root() / path
         out.append(json.loads(path.read_text()))
     return out
