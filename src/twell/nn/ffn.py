@@ -477,10 +477,7 @@ class SparseFFN(nn.Module):
         grad = self.recording(x)
         if grad and self.train_backend is not None and hasattr(self.train_backend, "plan"):
             return self.train_backend.plan(self, x)
-        cast = None
-        if grad or self.track:
-            dev = x.device.type
-            cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        cast = routing.autocast_dtype(x) if grad or self.track else None
         if torch.compiler.is_compiling():  # traced once per guard set; a capture replays what was traced
             return routing.plan(self._build_state(), x, grad_enabled=grad, compiling=True, autocast_dtype=cast)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -584,16 +581,14 @@ class SparseFFN(nn.Module):
             from twell.kernels.training import train_gated_ffn
         else:
             from twell.reference.training import train_gated_ffn
-        dev = x.device.type
-        cast = torch.is_autocast_enabled(dev)
+        dtype = routing.autocast_dtype(x)
         ws = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if cast:  # what F.linear does under autocast: bf16 copies, gradients flow back to the originals
-            dtype = torch.get_autocast_dtype(dev)
+        if dtype is not None:  # what F.linear does under autocast: copies, gradients flow back to the originals
             x2, ws = x2.to(dtype), [w.to(dtype) for w in ws]
         x2 = x2.contiguous()
-        with torch.autocast(dev, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots)
         if self.track:
             self.stats = FFNStats(l1=l1 if self.track_l1 else l1.detach(), active_per_token=nnz.reshape(shape[:-1]),

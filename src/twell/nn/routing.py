@@ -28,8 +28,6 @@ from typing import Optional
 import torch
 
 PATHS = ("auto", "dense", "reference", "kernel")
-OPS = ("dense", "decode", "sparse", "gate-ffn", "ffn", "train", "backend")
-IMPLS = ("torch", "reference", "kernel")
 # "auto" runs a sparse op only at or below a fraction of neurons active per token that depends on the row
 # count (SparseFFN.auto_ceilings): (at least this many rows, ceiling) pairs, ascending, each capped by the
 # layer's auto_max_active; below the first entry (and above the decoding op's rows) "auto" runs dense.
@@ -78,9 +76,6 @@ class Route:
             return f"train-{self.impl}"
         return f"twell-{self.impl}"
 
-    def describe(self) -> str:
-        return f"{self.path} ({self.op}): {self.reason}"
-
 
 @dataclass(frozen=True)
 class LayerState:
@@ -114,6 +109,17 @@ class LayerState:
     decode_max_rows: int  # rows up to which a layer run dense by activity still takes the decoding op
     choice_note: Optional[str]  # why "auto" decided what it did (the activity or the timed choice)
     train_slots: int
+
+
+def rows(x) -> int:
+    """The number of rows (tokens) x holds: every dimension but the last (0 for a zero width)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast computes x's device in, or None when autocast is off there."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 def width_error(state: LayerState, x: torch.Tensor) -> Optional[str]:
@@ -242,7 +248,7 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
     inside torch.compile; ``capturing``: inside a CUDA graph capture; ``autocast_dtype``: the autocast
     dtype when autocast is on for x's device. Raises where an explicit path cannot run the layer."""
     path = state.path
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n = rows(x)
     if grad_enabled:
         if state.backend == "custom":
             return Route("backend", "torch", "training: the layer's train_backend", training=True)
@@ -257,8 +263,8 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
             return Route("dense", "torch", note, note=note)
         if route == "reference":
             note = f"auto: TwELL reference ({why})"
-            return _sparse_op(state, rows, "reference", note, note=note)
-        return _auto_kernel(state, rows, compiling=compiling, capturing=capturing)
+            return _sparse_op(state, n, "reference", note, note=note)
+        return _auto_kernel(state, n, compiling=compiling, capturing=capturing)
     if path == "dense":
         return Route("dense", "torch", "path 'dense'")
     # an explicit sparse path raises where "auto" would leave it
@@ -280,7 +286,7 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
         # the statistics come from the training op, which computes them sparse (no autograd here)
         return plan_training(state, x, sparse=True, impl=path, strict=f"path={path!r} with tracking",
                              autocast_dtype=autocast_dtype, why=f"path {path!r}, statistics from the training op")
-    return _sparse_op(state, rows, path, f"path {path!r}")
+    return _sparse_op(state, n, path, f"path {path!r}")
 
 
 def plan_training(state: LayerState, x: torch.Tensor, *, sparse: bool, impl: str, strict: Optional[str] = None,

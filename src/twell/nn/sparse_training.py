@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from twell.nn.routing import Route, pct, plan_training
+from twell.nn.routing import Route, autocast_dtype, pct, plan_training, rows
 from twell.reference.training import TRAIN_SLOTS
 
 ROUTES = ("dense", "sparse")
@@ -107,15 +107,13 @@ class SparseTraining:
     def plan(self, ffn, x: torch.Tensor) -> Route:
         """The Route of one training call of ``ffn`` on x (pure: changes nothing)."""
         st = self.layer(ffn)
-        dev = x.device.type
-        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        n = rows(x)
         sparse, why = st.route == "sparse", st.why
-        if sparse and rows < self.min_rows:
-            sparse, why = False, f"{rows} rows per forward < min_rows {self.min_rows}; {why}"
+        if sparse and n < self.min_rows:
+            sparse, why = False, f"{n} rows per forward < min_rows {self.min_rows}; {why}"
         return plan_training(ffn.layer_state(), x, sparse=sparse, impl=self.impl,
                              strict="train.sparse_kernels=always" if self.strict else None,
-                             autocast_dtype=cast, why=why, slots=self.slots)
+                             autocast_dtype=autocast_dtype(x), why=why, slots=self.slots)
 
     def __call__(self, ffn, x: torch.Tensor) -> torch.Tensor:
         return ffn.run(self.plan(ffn, x), x)
