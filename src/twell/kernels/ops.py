@@ -34,6 +34,7 @@ from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
 from twell.kernels.build import available, load
 from twell.reference.decode import check_decode_args
+from twell.reference.gates import kernel_gate_unsupported as gate_unsupported
 from twell.reference.ffn import (
     DENSE_CAP, GATE_CLUSTER, SPARSE_FFN_COMPRESSION, UNION_OFF, UNION_RULE, check_dense_cap, check_ffn_args,
     check_gate_args, check_gate_cluster, check_union_rule,
@@ -168,12 +169,17 @@ def _fused_kernel_checks(x: Tensor) -> None:
     _raise_if(_fused_limit(x.shape[1]))
 
 
+
+
 def twell_gate(x: Tensor, w_gate: Tensor, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION,
-               *, gate_cluster: int = GATE_CLUSTER) -> TwELL:
+               *, gate_cluster: int = GATE_CLUSTER, threshold: float = 0.0) -> TwELL:
     """TwELL of ``relu(x @ w_gate.T)`` written by the gate GEMM (x bf16 [M, D], w_gate bf16 [H, D]).
 
     ``gate_cluster``: CTAs per cluster of the gate kernel, 2 (``GATE_CLUSTER``: each pair shares the
-    W_gate tiles by TMA multicast) or 1 (the single-CTA variant, kept for comparison)."""
+    W_gate tiles by TMA multicast) or 1 (the single-CTA variant, kept for comparison). ``threshold``
+    (FATReLU) must be 0: the epilogue does not compare against a threshold yet (ValueError otherwise)."""
+    if threshold:  # the default costs no call: the ReLU path's host time stays as it was
+        _raise_if(gate_unsupported(threshold))
     _gate_kernel_checks(x, w_gate, tile, compression)
     check_gate_cluster(gate_cluster)
     packed, spill = _gate_op(x, w_gate, tile, compression, gate_cluster)
@@ -205,14 +211,18 @@ def _ffn(x: Tensor, gate: TwELL, w_up: Optional[Tensor], w_down_t: Tensor,
 
 
 def twell_gated_ffn(x: Tensor, gate: TwELL, w_up: Tensor, w_down_t: Tensor,
-                    union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP) -> Tensor:
+                    union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP,
+                    up_relu: bool = False) -> Tensor:
     """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``, exact on overflow.
+    ``up_relu`` (dReLU) must be False: the fused kernel has no ReLU on the up product yet (ValueError).
 
     ``union``: ``(ratio, base)`` of the block-union rule for this call (``twell.reference.ffn.
     check_union_rule``), or ``None``: off (``UNION_OFF``, the per-row kernel only). ``dense_cap``: rows
     per round of the dense path for heavy rows, or ``None`` (``DENSE_CAP``): its rule, M / 8 rows, at
     least 4096, at most M (``twell.reference.ffn.check_dense_cap``; the path needs a TwELL from
     :func:`twell_gate` of this x)."""
+    if up_relu:
+        _raise_if(gate_unsupported(up_relu=up_relu))
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
     return _ffn(x, gate, w_up, w_down_t, union, dense_cap)
 
@@ -237,8 +247,9 @@ def twell_ffn(act: TwELL, w_down_t: Tensor, *, dense_cap: Optional[int] = DENSE_
 def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, tile: int = 256,
                      compression: int = SPARSE_FFN_COMPRESSION,
                      union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP,
-                     gate_cluster: int = GATE_CLUSTER) -> Tensor:
+                     gate_cluster: int = GATE_CLUSTER, threshold: float = 0.0, up_relu: bool = False) -> Tensor:
     """The whole sparse gated FFN on the GPU: gate GEMM writing TwELL, then the fused up/down kernel.
+    ReLU gates only: ``threshold`` (FATReLU) and ``up_relu`` (dReLU) other than their defaults raise.
 
     One op, so the TwELL stays internal: the fused kernel starts on the SMs that the gate kernel's
     last wave leaves idle and waits for each row's words (docs/kernels.md §6). Same result, bit for
@@ -251,6 +262,8 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     its overflow count: the two-op path gives it (``twell_gate(x, w_gate).n_overflow_rows``), as
     does a ``SparseFFN`` with ``keep_gate=True`` (``last_gate.n_overflow_rows``).
     """
+    if threshold or up_relu:
+        _raise_if(gate_unsupported(threshold, up_relu))
     _gate_kernel_checks(x, w_gate, tile, compression)
     _fused_kernel_checks(x)
     for name, w in (("w_up", w_up), ("w_down_t", w_down_t)):
@@ -272,8 +285,10 @@ def _(x, w_gate, w_up, w_down_t):
     return x.new_empty(x.shape)
 
 
-def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, *, threshold: float = 0.0,
+                     up_relu: bool = False) -> Tensor:
     """The gated FFN for 1 to ``DECODE_MAX_ROWS`` rows (token-by-token generation), bf16 [M, D].
+    ReLU gates only: ``threshold`` (FATReLU) and ``up_relu`` (dReLU) other than their defaults raise.
 
     Reads ``w_gate`` in full and only the active neurons' rows of ``w_up`` and ``w_down_t``: two
     kernels (csrc/twell_decode.cu), no host synchronisation, deterministic, so it runs under CUDA
@@ -282,6 +297,8 @@ def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) 
     The gate kernel starts copying ``w_gate`` before the kernel launched just before it has finished (it
     reads x only after): do not write ``w_gate`` in place in the kernel right before this call on the same
     stream (e.g. an optimizer step); anything earlier is complete."""
+    if threshold or up_relu:
+        _raise_if(gate_unsupported(threshold, up_relu))
     check_decode_args(x, w_gate, w_up, w_down_t)
     _kernel_checks(x)
     check_aligned(x=x, w_gate=w_gate, w_up=w_up, w_down_t=w_down_t)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from twell.kernels.build import load
+from twell.reference.gates import kernel_gate_unsupported
 from twell.reference.training import TRAIN_MAX_D, TRAIN_SLOTS, check_train_args
 
 # Entries of one work item of the weight-gradient kernel: a neuron active on more rows is split in
@@ -125,13 +126,17 @@ class _TrainGatedFFN(torch.autograd.Function):
         return dx, d_gate, d_up, d_down, None
 
 
-def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int = TRAIN_SLOTS
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int = TRAIN_SLOTS, *,
+                    threshold: float = 0.0, up_relu: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Differentiable sparse gated FFN for training on the CUDA kernels:
     ``(out bf16 [M, D], l1 fp32 0-dim = mean over rows of sum |h|, nnz int32 [M], neuron_active bool [H])``.
 
     x bf16 [M, D]; w_gate, w_up bf16 [H, D]; w_down bf16 [D, H] (nn.Linear layouts). Exact for any
-    activation pattern (rows with more than ``slots`` active neurons run dense)."""
+    activation pattern (rows with more than ``slots`` active neurons run dense). ReLU gates only:
+    ``threshold`` (FATReLU) and ``up_relu`` (dReLU) other than their defaults raise a ValueError
+    (twell.reference.training.train_gated_ffn computes them)."""
+    if threshold or up_relu:
+        raise ValueError(kernel_gate_unsupported(threshold, up_relu))
     check_train_args(x, w_gate, w_up, w_down, slots)
     if not x.is_cuda:
         raise ValueError(f"the training kernels run on CUDA tensors; x is on {x.device} "

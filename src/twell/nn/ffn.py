@@ -76,6 +76,7 @@ from twell.nn.transpose import (
 from twell.nn import routing
 from twell.nn.routing import PATHS
 from twell.reference.decode import DECODE_MAX_ROWS
+from twell.reference import gates
 from twell.reference.ffn import SPARSE_FFN_COMPRESSION, check_union_rule
 from twell.reference.training import TRAIN_MAX_D, TRAIN_SLOTS
 
@@ -91,6 +92,9 @@ DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2047)
 # gate weight and only the union's up and down rows (measured in docs/decoding.md).
 DECODE_MAX_UNION = 0.25
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
+# What a SparseFFN computes: ReLU and its gate variants FATReLU (a threshold on the gate) and dReLU (ReLU on the
+# up projection too), which the sparse paths run (twell.reference.gates), and SiLU, which runs dense.
+ALL_ACTIVATIONS = (*gates.SPARSE_ACTIVATIONS, "silu")
 
 
 def _activation_name(act) -> Optional[str]:
@@ -169,14 +173,23 @@ class SparseFFN(nn.Module):
         path: str = "auto",
         tile: int = 256,
         compression: int = SPARSE_FFN_COMPRESSION,
+        threshold: float = 0.0,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if activation not in ALL_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ALL_ACTIVATIONS}, got {activation!r}")
+        if activation in ("fatrelu", "drelu") and not gated:
+            raise ValueError(f"activation {activation!r} is a gate variant: it needs gated=True")
+        gates.check_gate_settings(threshold, False)
+        if threshold and activation != "fatrelu":
+            raise ValueError(f"threshold={threshold!r} is FATReLU's gate threshold: it needs activation='fatrelu', "
+                             f"this layer uses {activation!r}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gated = gated
         self.activation = activation
+        # FATReLU's gate threshold t (h = g where g > t, else 0); 0 for every other activation.
+        self.threshold = float(threshold)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -247,8 +260,9 @@ class SparseFFN(nn.Module):
     def path(self, value: str) -> None:
         if value not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {value!r}")
-        if value in ("reference", "kernel") and self.activation != "relu":
-            raise ValueError(f"sparse path {value!r} needs activation='relu', this layer uses {self.activation!r}")
+        if value in ("reference", "kernel") and self.activation not in gates.SPARSE_ACTIVATIONS:
+            raise ValueError(f"sparse path {value!r} needs activation='relu' (or its gate variants 'fatrelu', "
+                             f"'drelu'), this layer uses {self.activation!r}")
         self._path = value
         self.reset_auto()
         self._changed()
@@ -349,7 +363,26 @@ class SparseFFN(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gated={self.gated}, "
-                f"activation={self.activation}, path={self.path}" + (f", union={self.union}" if self.union else ""))
+                f"activation={self.activation}" + (f", threshold={self.threshold:g}" if self.threshold else "")
+                + f", path={self.path}" + (f", union={self.union}" if self.union else ""))
+
+    def gate_settings(self) -> tuple[float, bool]:
+        """(threshold, up_relu) of this layer's gate for the sparse ops (twell.reference.gates): (0, False)
+        for ReLU, (t, False) for FATReLU, (0, True) for dReLU."""
+        return gates.settings(self.activation, self.threshold)
+
+    def _gate_kwargs(self) -> dict:
+        """The ops' gate keywords for this layer; none for ReLU, so its calls are the ones they always were."""
+        if self.activation == "relu":
+            return {}
+        threshold, up_relu = self.gate_settings()
+        return {"threshold": threshold, "up_relu": up_relu}
+
+    def _gate_why(self) -> str:
+        """Why the kernels cannot compute this layer's gate ('' for ReLU, and for SiLU, which no sparse path runs)."""
+        if self.activation not in gates.SPARSE_ACTIVATIONS:
+            return ""
+        return gates.kernel_gate_unsupported(*self.gate_settings())
 
     # -- forward ---------------------------------------------------------------------------------
     def _bypassed(self) -> str:
@@ -392,8 +425,8 @@ class SparseFFN(nn.Module):
 
     def _no_train_layer(self) -> str:
         """Why the training op cannot run this layer on any input; '' when it can."""
-        if not self.gated or self.activation != "relu":
-            return "the training kernels run ReLU-gated layers"
+        if not self.gated or self.activation not in gates.SPARSE_ACTIVATIONS:
+            return "the training kernels run ReLU-gated layers (the reference also FATReLU and dReLU)"
         if self.has_bias():
             return self.BIAS_ERROR
         why = self._bypassed()
@@ -409,7 +442,7 @@ class SparseFFN(nn.Module):
         attributes, the projection modules, their hooks and own forwards, weights, dtypes and addresses.
         Read on every eager call, so kept to attribute reads."""
         # ids where objects could define __eq__ (a Parameter's would compare elementwise)
-        key = (self._state_gen, self.track, self.keep_gate, self.activation, self.auto_max_active,
+        key = (self._state_gen, self.track, self.keep_gate, self.activation, self.threshold, self.auto_max_active,
                id(self.train_backend), self.tile, self.compression, self.hidden_size, self.intermediate_size,
                self.gated)
         mods = self._modules
@@ -451,7 +484,7 @@ class SparseFFN(nn.Module):
             gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
             backend="none" if b is None else ("sparse-training" if hasattr(b, "plan") else "custom"),
             no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)),
-            no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(),
+            no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(), gate_why=self._gate_why(),
             decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
             timed=self._timed, activity=self._activity, activity_text=self._activity_text,
             auto_max_active=self.auto_max_active,
@@ -551,17 +584,26 @@ class SparseFFN(nn.Module):
 
     def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-activation that decides sparsity, hidden activation h) for input x, dense."""
+        pre, h, _ = self._hidden(x)
+        return pre, h
+
+    def _hidden(self, x: torch.Tensor):
+        """(pre-activation, h, active mask or None when ``pre > 0`` says it: ReLU and SiLU)."""
+        if self.activation in ("fatrelu", "drelu"):
+            threshold, up_relu = self.gate_settings()
+            g, u = self.gate_proj(x), self.up_proj(x)
+            return g, gates.hidden(g, u, threshold, up_relu), gates.active(g, u, threshold, up_relu)
         act = ACTIVATIONS[self.activation]
         if self.gated:
             g = self.gate_proj(x)
-            return g, act(g) * self.up_proj(x)
+            return g, act(g) * self.up_proj(x), None
         u = self.up_proj(x)
-        return u, act(u)
+        return u, act(u), None
 
     def _dense(self, x: torch.Tensor, measure: bool = False) -> torch.Tensor:
-        pre, h = self.hidden(x)
+        pre, h, mask = self._hidden(x)
         if self.track:
-            active = pre > 0 if self.activation == "relu" else h != 0
+            active = mask if mask is not None else (pre > 0 if self.activation == "relu" else h != 0)
             # fp32 accumulation without an fp32 copy of h kept for the backward pass
             l1 = h.abs().sum(-1, dtype=torch.float32).mean()
             self.stats = FFNStats(
@@ -571,7 +613,8 @@ class SparseFFN(nn.Module):
             )
         if measure:  # "auto" decides the layer on this call's tokens (one host sync, once)
             note = self.auto_note
-            self._set_activity(float((~(pre <= 0)).sum(-1, dtype=torch.float32).mean()) / self.intermediate_size)
+            on = mask if mask is not None else ~(pre <= 0)
+            self._set_activity(float(on.sum(-1, dtype=torch.float32).mean()) / self.intermediate_size)
             self.auto_note = f"{note}; {self._activity_note}" if self._activity_note else note
         return self.down_proj(h)
 
@@ -589,7 +632,7 @@ class SparseFFN(nn.Module):
             x2, ws = x2.to(dtype), [w.to(dtype) for w in ws]
         x2 = x2.contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots)
+            out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots, **self._gate_kwargs())
         if self.track:
             self.stats = FFNStats(l1=l1 if self.track_l1 else l1.detach(), active_per_token=nnz.reshape(shape[:-1]),
                                   neuron_active=active)
@@ -702,20 +745,26 @@ class SparseFFN(nn.Module):
             x2 = x2.clone()  # the kernels need 16-byte aligned rows; a view at an element offset is not
         op = route.op
         gate = None
+        kw = self._gate_kwargs()  # {} for ReLU
         if op == "decode":
             # A few rows (generation): the gate read in full, only the active neurons' up and down rows
             # (docs/decoding.md); no TwELL. On a checked route (x2 contiguous and aligned here) the op skips
             # its Python checks: host time a token-by-token loop pays per layer.
-            fn = impl.decode_gated_ffn_trusted if route.checked else impl.decode_gated_ffn
-            out = fn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
+            if kw:
+                out = impl.decode_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(), **kw)
+            else:
+                fn = impl.decode_gated_ffn_trusted if route.checked else impl.decode_gated_ffn
+                out = fn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
         elif op == "sparse":
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (docs/kernels.md §6).
             out = impl.sparse_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(),
-                                        self.tile, self.compression, union=self.union)
+                                        self.tile, self.compression, union=self.union, **kw)
         elif op == "gate-ffn":  # the caller needs the TwELL: the gate op, then the fused op
-            gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression)
-            out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t(), union=self.union)
+            gate_kw = {"threshold": kw["threshold"]} if kw else {}
+            up_kw = {"up_relu": kw["up_relu"]} if kw else {}
+            gate = impl.twell_gate(x2, self.gate_proj.weight, tile=self.tile, compression=self.compression, **gate_kw)
+            out = impl.twell_gated_ffn(x2, gate, self.up_proj.weight, self.w_down_t(), union=self.union, **up_kw)
         elif op == "ffn":
             gate = impl.twell_gate(x2, self.up_proj.weight, tile=self.tile, compression=self.compression)
             out = impl.twell_ffn(gate, self.w_down_t())

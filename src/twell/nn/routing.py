@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from twell.reference.gates import SPARSE_ACTIVATIONS
+
 PATHS = ("auto", "dense", "reference", "kernel")
 # "auto" runs a sparse op only at or below a fraction of neurons active per token that depends on the row
 # count (SparseFFN.auto_ceilings): (at least this many rows, ceiling) pairs, ascending, each capped by the
@@ -84,7 +86,8 @@ class LayerState:
     The ``*_why`` strings are empty when nothing stands in the way: ``no_sparse_why`` for any sparse
     path (bias, width of H, projections with their own forward or hooks, non-contiguous weights),
     ``no_kernel_why`` for the kernels (unavailable,
-    misaligned weights, a shape they do not take), ``no_train_why`` for the training op."""
+    misaligned weights, a shape they do not take), ``no_train_why`` for the training op, ``gate_why`` for
+    the kernels on this layer's gate (FATReLU and dReLU: they compute ReLU only, twell.reference.gates)."""
 
     path: str
     hidden_size: int
@@ -109,6 +112,7 @@ class LayerState:
     decode_max_rows: int  # rows up to which a layer run dense by activity still takes the decoding op
     choice_note: Optional[str]  # why "auto" decided what it did (the activity or the timed choice)
     train_slots: int
+    gate_why: str = ""  # why the kernels cannot compute this layer's gate variant ('' for ReLU)
 
 
 def rows(x) -> int:
@@ -216,8 +220,8 @@ def _auto_kernel(state: LayerState, rows: int, *, compiling: bool, capturing: bo
 def auto_route(state: LayerState, x: torch.Tensor) -> tuple[str, str]:
     """Where "auto" sends x before its activity decision: ``("dense" | "reference" | "kernel", why)``,
     ``why`` empty for the kernels."""
-    if state.activation != "relu":
-        return "dense", f"activation {state.activation}: the sparse paths need relu"
+    if state.activation not in SPARSE_ACTIVATIONS:
+        return "dense", f"activation {state.activation}: the sparse paths need relu (or its gate variants)"
     if state.track:
         return "dense", "tracking: the statistics need the dense hidden state"
     why = width_error(state, x)
@@ -228,6 +232,9 @@ def auto_route(state: LayerState, x: torch.Tensor) -> tuple[str, str]:
         return "dense", why
     if not x.is_cuda:
         return "reference", f"input on {x.device}"
+    if state.gate_why:
+        # exact either way; on the GPU plain PyTorch is much faster than the reference's gathers
+        return "dense", state.gate_why
     return ("reference", state.no_kernel_why) if state.no_kernel_why else ("kernel", "")
 
 
@@ -268,14 +275,18 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
     if path == "dense":
         return Route("dense", "torch", "path 'dense'")
     # an explicit sparse path raises where "auto" would leave it
-    if state.activation != "relu":
-        raise ValueError(f"path={path!r} needs activation='relu', this layer uses {state.activation!r}")
+    if state.activation not in SPARSE_ACTIVATIONS:
+        raise ValueError(f"path={path!r} needs activation='relu' (or its gate variants 'fatrelu', 'drelu'), this "
+                         f"layer uses {state.activation!r}")
     why = width_error(state, x)
     if why:
         raise ValueError(why)
     if state.no_sparse_why:
         raise ValueError(f"path={path!r} cannot run this layer: {state.no_sparse_why} (path='auto' runs it dense)")
     if path == "kernel":
+        if state.gate_why:
+            raise ValueError(f"path='kernel' cannot run this layer: {state.gate_why} (path='reference' or 'dense' "
+                             "compute it exactly; 'auto' chooses)")
         if state.no_kernel_why.startswith(UNAVAILABLE):
             raise RuntimeError(f"path='kernel' requested but the TwELL kernels are unavailable: "
                                f"{state.no_kernel_why[len(UNAVAILABLE):]}")
@@ -307,7 +318,9 @@ def plan_training(state: LayerState, x: torch.Tensor, *, sparse: bool, impl: str
     if not cannot and autocast_dtype is None and state.weight_dtypes != (x.dtype,):
         cannot = f"x is {x.dtype}, the weights {_dtypes(state)}"
     if not cannot and impl == "kernel":
-        if state.no_kernel_why.startswith(UNAVAILABLE):
+        if state.gate_why:
+            cannot = state.gate_why
+        elif state.no_kernel_why.startswith(UNAVAILABLE):
             cannot = state.no_kernel_why
         elif not x.is_cuda:
             cannot = f"input on {x.device}"

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from twell.formats import check_tensor
+from twell.reference.gates import check_gate_settings
 
 # The most rows the decoding kernel takes (csrc/twell_kernels.h: kDecodeMaxRows); larger inputs go
 # through the other sparse path or dense (twell.nn.ffn's "auto").
@@ -37,18 +38,24 @@ def check_decode_args(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor)
         check_tensor(name, w, dtype=x.dtype, shape=(H, D), device=x.device, contiguous=True)
 
 
-def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, *, threshold: float = 0.0,
+                     up_relu: bool = False) -> Tensor:
     """bf16 [M, D]: ``sum over active n of bf16(relu(bf16(x . w_gate[n])) * bf16(x . w_up[n])) * w_down_t[n]``.
 
     A NaN gate value counts as active (it reaches the output, as relu(NaN) does in dense PyTorch);
-    an inactive neuron contributes exactly nothing (its up and down rows are not read)."""
+    an inactive neuron contributes exactly nothing (its up and down rows are not read). ``threshold``
+    (FATReLU: active where the bf16 gate is above it) and ``up_relu`` (dReLU: ReLU on the up product
+    too) pick the gate variant (twell.reference.gates)."""
     check_decode_args(x, w_gate, w_up, w_down_t)
+    threshold, up_relu = check_gate_settings(threshold, up_relu)
     xf = x.float()
     gate = (xf @ w_gate.float().t()).to(torch.bfloat16)
-    gate = torch.where(gate > 0, gate, torch.where(torch.isnan(gate), gate, torch.zeros_like(gate)))
-    active = ~(gate <= 0)
+    active = ~(gate <= threshold)
+    gate = torch.where(active, gate, torch.zeros_like(gate))
     cols = active.any(0).nonzero().flatten()  # neurons some row needs
     u = (xf @ w_up[cols].float().t()).to(torch.bfloat16)
+    if up_relu:
+        u = torch.where(u <= 0, torch.zeros_like(u), u)
     g = gate[:, cols]
     h = torch.where(active[:, cols], (g.float() * u.float()).to(torch.bfloat16), torch.zeros_like(g))
     return (h.float() @ w_down_t[cols].float()).to(torch.bfloat16)

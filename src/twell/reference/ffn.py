@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from twell.formats import TwELL, check_tensor, check_tiling, pack_twell
 from twell.formats.twell import columns_limit
 from twell.reference.coo import coo_sddmm, coo_spmm
+from twell.reference.gates import check_gate_settings, gate_act
 
 
 def check_gate_args(x: torch.Tensor, w_gate: torch.Tensor, tile: int, compression: int) -> None:
@@ -109,31 +110,37 @@ def check_gate_cluster(gate_cluster) -> int:
 
 
 def twell_gate(x: torch.Tensor, w_gate: torch.Tensor, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION,
-               *, gate_cluster: int = GATE_CLUSTER) -> TwELL:
-    """TwELL of ``relu(x @ w_gate.T)`` (x bf16 [M, D], w_gate bf16 [H, D]). ``gate_cluster`` picks the
+               *, gate_cluster: int = GATE_CLUSTER, threshold: float = 0.0) -> TwELL:
+    """TwELL of ``relu(x @ w_gate.T)`` (x bf16 [M, D], w_gate bf16 [H, D]); with ``threshold`` t > 0, of
+    FATReLU: the gate where it is above t, else 0 (twell.reference.gates). ``gate_cluster`` picks the
     kernel's variant (:func:`check_gate_cluster`); it is checked here and changes nothing."""
     check_gate_args(x, w_gate, tile, compression)
     check_gate_cluster(gate_cluster)
-    return pack_twell(F.relu(F.linear(x, w_gate)), tile, compression)
+    threshold, _ = check_gate_settings(threshold, False)
+    return pack_twell(gate_act(F.linear(x, w_gate), threshold), tile, compression)
 
 
 def twell_gated_ffn(x: torch.Tensor, gate: TwELL, w_up: torch.Tensor, w_down_t: torch.Tensor,
-                    union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP
-                    ) -> torch.Tensor:
-    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``.
+                    union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP,
+                    up_relu: bool = False) -> torch.Tensor:
+    """bf16 [M, D]: ``sum over active n of h[m, n] * (x[m] . w_up[n]) * w_down_t[n]``; with ``up_relu``
+    (dReLU) the up product goes through ReLU too, so a neuron counts only where both are positive.
 
     ``union`` and ``dense_cap`` pick the kernels' routes (:func:`check_union_rule`,
     :func:`check_dense_cap`); they are checked here and do not change the reference's result."""
     check_ffn_args(x, gate, ("w_up", w_up), ("w_down_t", w_down_t))
     check_union_rule(union)
     check_dense_cap(dense_cap)
+    _, up_relu = check_gate_settings(0.0, up_relu)
     rows, cols, vals = gate.entries()
-    s = vals.float() * coo_sddmm(rows, cols, x, w_up)
+    u = coo_sddmm(rows, cols, x, w_up)
+    s = vals.float() * (gate_act(u) if up_relu else u)
     out = coo_spmm(rows, cols, s, w_down_t, x.shape[0])
     if gate.n_overflow_rows:
         r = gate.overflow_rows
         h = gate.overflow_dense.float()
-        out[r] = (h * (x[r].float() @ w_up.float().t())) @ w_down_t.float()
+        u = x[r].float() @ w_up.float().t()
+        out[r] = (h * (gate_act(u) if up_relu else u)) @ w_down_t.float()
     return out.to(torch.bfloat16)
 
 
@@ -153,14 +160,14 @@ def twell_ffn(act: TwELL, w_down_t: torch.Tensor, *, dense_cap: Optional[int] = 
 
 def sparse_gated_ffn(x, w_gate, w_up, w_down_t, tile: int = 256, compression: int = SPARSE_FFN_COMPRESSION,
                      union: Optional[tuple[float, float]] = None, *, dense_cap: Optional[int] = DENSE_CAP,
-                     gate_cluster: int = GATE_CLUSTER) -> torch.Tensor:
+                     gate_cluster: int = GATE_CLUSTER, threshold: float = 0.0, up_relu: bool = False) -> torch.Tensor:
     """The whole sparse gated FFN: TwELL gate, then the fused up/down product (other compressions
     agree to rounding: fuller tiles overflow to the dense fallback); with every default, the same as
     ``twell_gated_ffn(x, twell_gate(x, w_gate), w_up, w_down_t)``. ``union``, ``dense_cap`` and
     ``gate_cluster`` are checked as in :func:`twell_gated_ffn` and :func:`twell_gate` and do not change
-    the result."""
-    gate = twell_gate(x, w_gate, tile, compression, gate_cluster=gate_cluster)
-    return twell_gated_ffn(x, gate, w_up, w_down_t, union=union, dense_cap=dense_cap)
+    the result; ``threshold`` (FATReLU) and ``up_relu`` (dReLU) pick the gate variant."""
+    gate = twell_gate(x, w_gate, tile, compression, gate_cluster=gate_cluster, threshold=threshold)
+    return twell_gated_ffn(x, gate, w_up, w_down_t, union=union, dense_cap=dense_cap, up_relu=up_relu)
 
 
 def dense_gated_ffn(x, w_gate, w_up, w_down) -> torch.Tensor:
