@@ -1,7 +1,8 @@
 """Llama-style models built on transformers with SparseFFN MLPs, and Hugging Face save/load.
 
 - :func:`build_model` (``ModelConfig`` -> ``LlamaForCausalLM`` with SparseFFN MLPs)
-- :func:`load_pretrained` / :func:`save_pretrained` (standard Llama checkpoints, ReLU gates)
+- :func:`load_pretrained` / :func:`save_pretrained` (Llama checkpoints with ReLU, FATReLU or dReLU gates;
+  MiniCPM and Mistral formats load too: docs/models.md)
 - :func:`cast_parameters` (dtype change that keeps RoPE buffers fp32)
 - :func:`set_ffn_path`, :func:`set_tracking`, :func:`sparse_ffns` (per-layer FFN control)
 - :func:`choose_union_paths`, :func:`choose_row_paths` (per-layer path choices timed on a calibration batch)

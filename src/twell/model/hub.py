@@ -2,9 +2,12 @@
 
 ``save_pretrained`` writes a standard Llama checkpoint (safetensors + config.json + tokenizer):
 plain ``transformers.AutoModelForCausalLM`` loads the ReLU-gated and SiLU variants and gives the
-same logits. ``load_pretrained`` reads those, plain Llama checkpoints, and the paper's released
-checkpoints (``model_type: llama_sparse_relu``, Llama parameter keys) and returns a model whose
-MLPs are SparseFFN modules.
+same logits. ``load_pretrained`` reads those, plain Llama checkpoints, the paper's released
+checkpoints (``model_type: llama_sparse_relu``, Llama parameter keys) and the public ReLU checkpoints'
+formats (ProSparse-Llama-2 and MiniCPM-S with FATReLU, ReluLLaMA, TurboSparse-Mistral with dReLU;
+docs/models.md) and returns a model whose MLPs are SparseFFN modules. A FATReLU or dReLU model saves
+with ``hidden_act`` naming its variant, which plain transformers refuses rather than computing ReLU; a
+MiniCPM model does not save (its scaling is not a Llama's).
 
 The non-gated ``relu`` variant has no ``gate_proj``; plain transformers cannot express it, so
 only ``load_pretrained`` loads it (config.json says ``twell_ffn: relu``).
@@ -67,6 +70,10 @@ def save_pretrained(model: nn.Module, tokenizer, path: str | Path, max_shard_siz
     dtype = resolve_dtype(dtype)
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise TypeError(f"expected a transformers LlamaForCausalLM, got {type(model).__name__}")
+    if getattr(model.config, "scale_emb", None) is not None:
+        raise ValueError("save_pretrained writes Llama checkpoints; this model computes MiniCPM's scaling "
+                         "(scale_emb, scale_depth, dim_model_base), which plain transformers would ignore and "
+                         "MiniCPM's own code is not part of this package: keep the original checkpoint")
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {}
     for k, v in model.state_dict().items():
@@ -201,6 +208,10 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
         model = build_model(mc, **extra)
     if mc.tie_embeddings:
         state.pop("lm_head.weight", None)
+    if raw.get("model_type") == "bamboo":
+        # TurboSparse's activity predictors (mlp.predictor.*) only guess which neurons fire; the exact
+        # computation does not need them
+        state = {k: v for k, v in state.items() if ".mlp.predictor." not in k}
     expected = set(model.state_dict())
     if mc.tie_embeddings:
         expected.discard("lm_head.weight")
@@ -242,7 +253,7 @@ def load_pretrained(path_or_hub_id: str | Path, ffn_path: str = "auto", device=N
     cast_parameters(model, dtype)
     if device is not None:
         model.to(device)
-    if mc.activation == "relu":
+    if mc.sparse:
         set_ffn_path(model, ffn_path)
     elif ffn_path not in ("auto", "dense"):
         raise ValueError(f"ffn_path={ffn_path!r} needs ReLU MLPs; this checkpoint's MLPs use {mc.activation}")

@@ -28,16 +28,27 @@ def as_model_config(cfg: Any) -> ModelConfig:
 
 
 def build_model(cfg: Any, **hf_extra: Any):
-    """A freshly initialised ``LlamaForCausalLM`` with SparseFFN MLPs, fp32, on the current default device.
+    """A freshly initialised ``LlamaForCausalLM`` with SparseFFN MLPs, fp32, on the current default device
+    (``MistralForCausalLM`` for arch mistral; a Llama with MiniCPM's scaling for arch minicpm).
 
     Initialisation is transformers' Llama initialisation (normal(0, init_std) for Linear and
     Embedding weights), so under the same torch seed every process builds identical weights.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, MistralForCausalLM
 
     mc = as_model_config(cfg)
-    model = LlamaForCausalLM(mc.to_hf_config(**hf_extra))
+    model = (MistralForCausalLM if mc.arch == "mistral" else LlamaForCausalLM)(mc.to_hf_config(**hf_extra))
     swap_mlps(model, mc)
+    if mc.activation in ("fatrelu", "drelu"):
+        # what the MLPs compute, as the formats write it: plain transformers has no such activation and refuses
+        # a saved copy instead of computing ReLU
+        model.config.hidden_act = mc.activation
+        if mc.activation == "fatrelu":
+            model.config.hidden_act_param = mc.gate_threshold
+    if mc.arch == "minicpm":
+        from twell.model.minicpm import apply_minicpm_scaling
+
+        apply_minicpm_scaling(model, mc.scale_emb, mc.scale_depth, mc.dim_model_base)
     return model
 
 
@@ -51,12 +62,16 @@ def swap_mlps(model: nn.Module, mc: ModelConfig, path: str = "auto") -> None:
         mlp = layer.mlp
         if isinstance(mlp, SparseFFN):
             continue
-        if mc.gated:
+        if mc.activation in ("fatrelu", "drelu"):  # the transformers MLP was built with ReLU: its projections only
+            ffn = SparseFFN(mc.hidden_size, mc.intermediate_size, activation=mc.activation,
+                            threshold=mc.gate_threshold, path="dense")
+            ffn.gate_proj, ffn.up_proj, ffn.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        elif mc.gated:
             ffn = SparseFFN.from_llama_mlp(mlp, activation=mc.activation, path="dense")
         else:
             ffn = SparseFFN(mc.hidden_size, mc.intermediate_size, gated=False, activation="relu", path="dense")
             ffn.up_proj, ffn.down_proj = mlp.up_proj, mlp.down_proj
-        ffn.path = path if mc.activation == "relu" else "dense"
+        ffn.path = path if mc.sparse else "dense"
         ffn.layer_idx = i
         layer.mlp = ffn
 
