@@ -223,3 +223,19 @@ def test_layer_settings_are_checked():
     f = SparseFFN(64, 128, activation="fatrelu", threshold=0.02)
     assert "threshold=0.02" in repr(f) and f.gate_settings() == (0.02, False)
     assert SparseFFN(64, 128, activation="drelu").gate_settings() == (0.0, True)
+
+
+@pytest.mark.gpu
+def test_on_cuda_auto_runs_a_variant_dense_and_exact():
+    """On a GPU "auto" takes dense for FATReLU and dReLU layers (the kernels compute ReLU only), with the
+    reason in the Route, and the output is dense PyTorch's."""
+    for activation, threshold in (("fatrelu", 0.05), ("drelu", 0.0)):
+        f = _layer(activation, threshold, 0, D=2048, H=5632).cuda()
+        f.path = "auto"
+        x = torch.randn(4096, 2048, device="cuda").to(BF)
+        with torch.no_grad():
+            out = f(x)
+            assert f.last_path == "dense" and "the kernels'" in f.last_route.reason
+            g, u = f.gate_proj(x), f.up_proj(x)
+            h = torch.where(g > threshold, g, 0) * (torch.relu(u) if activation == "drelu" else u)
+            assert torch.equal(out, f.down_proj(h))
