@@ -193,3 +193,31 @@ def test_harness_runs_lm_eval_on_one_bar_quietly(tmp_path, capfd, caplog):
         hf.warning("something a reader should see")
     assert [r.getMessage() for r in caplog.records] == ["something a reader should see"]
     assert log.truncation_note(70).startswith("3 of 70 lm-eval requests were longer than the model's context of 128")
+
+
+def test_nbconvert_execute_stores_the_bar_as_a_widget_without_a_frozen_text_copy(tmp_path, monkeypatch):
+    """``jupyter nbconvert --execute`` (no pipeline, bars on): the project's bar is stored as a widget whose
+    state the notebook keeps, and with no text copy of the bar as it was when first drawn."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = KERNELSPEC
+    nb.cells = [nbformat.v4.new_code_cell(
+        "from twell.progress import progress_bar\nfor _ in progress_bar(range(6), desc='calibrated cases'):\n"
+        "    pass\nprint('done')")]
+    path = tmp_path / "bar.ipynb"
+    nbformat.write(nb, path)
+    subprocess.run([sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute", "--inplace", str(path)],
+                   check=True, capture_output=True, timeout=300)
+    out = nbformat.read(path, as_version=4)
+    outputs = out.cells[0].outputs
+    widgets = [o for o in outputs if _WIDGET in o.get("data", {})]
+    assert len(widgets) == 1, outputs
+    assert widget_outputs(out) == [""]
+    state = out.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    assert widgets[0]["data"][_WIDGET]["model_id"] in state
+    assert reading_problems(out) == []
+    assert not [o for o in outputs if "calibrated cases" in json.dumps(o)]
+    assert [_text(o) for o in outputs if o.get("output_type") == "stream"] == ["done\n"]
