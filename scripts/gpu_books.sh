@@ -18,8 +18,8 @@
 #
 #   PHASE=stage  take what this call carried; BUILD=1 starts the kernel build in the background; START=1
 #                starts the driver once the data is complete (the pair waits for the build)
-#   PHASE=tests  the GPU tests TESTS (default: the training backend, the runs, FSDP2, the planner), beside
-#                the driver, log in $OUT/tests.log
+#   PHASE=tests  the GPU tests TESTS (default: the training backend, the runs, FSDP2, the planner, the module
+#                and decoding kernels), from the snapshot, beside the driver; log in $OUT/tests.log
 #   PHASE=wait   wait up to WAIT_S (default 540) for the driver, printing its progress each minute
 #   PHASE=pack   the driver's results into $OUT (books_results.tar.gz, books_summary.json) and a table
 #   PHASE=driver (started by stage) the whole job; DEVICE=cpu with DATA_DIR and EXTRA runs it in the
@@ -53,6 +53,11 @@ in_tree() {
 data_name() { cat "$BOOKS/incoming/NAME" 2>/dev/null; }
 data_dir() { echo "${DATA_DIR:-$BOOKS/data/$(data_name)}"; }
 
+unxz_stream() {  # xz -dc, or Python's lzma where the image has no xz
+    if command -v xz > /dev/null; then xz -dc
+    else python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"; fi
+}
+
 stage_phase() {
     mkdir -p "$BOOKS/incoming"
     for d in .device/books1 .device/books2; do
@@ -76,7 +81,7 @@ stage_phase() {
             && [ -f "$BOOKS/incoming/train.bin.xz.part01" ]; then
         mkdir -p "$dir"
         cp -r "$BOOKS/incoming"/{meta.json,tokenizer,val.bin} "$dir/"
-        cat "$BOOKS/incoming"/train.bin.xz.part0{0,1} | xz -dc > "$dir/train.bin"
+        cat "$BOOKS/incoming"/train.bin.xz.part0{0,1} | unxz_stream > "$dir/train.bin"
         if (cd "$dir" && sha256sum -c --quiet "$BOOKS/incoming/SHA256SUMS"); then
             touch "$dir/.verified"; say "prepared data complete and verified: $dir"
         else
@@ -234,7 +239,11 @@ wait_phase() {
 tests_phase() {
     while [ "$DEVICE" = cuda ] && [ ! -f "$BOOKS/build.rc" ]; do sleep 2; done
     timeout "${TESTS_LIMIT_S:-500}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/test_train_sparse_run.py \
-        tests/test_sparse_training.py tests/test_sparse_training_fsdp.py tests/test_routing_gpu.py} \
+        tests/test_sparse_training.py tests/test_sparse_training_fsdp.py tests/test_routing_gpu.py \
+        tests/test_kernels.py::test_module_uses_kernels_on_gpu tests/test_kernels.py::test_module_runs_in_a_cuda_graph \
+        tests/test_kernels.py::test_auto_leaves_the_kernels_on_a_layer_that_is_not_sparse \
+        tests/test_kernels.py::test_compiled_module_matches_eager \
+        tests/test_kernels.py::test_compiled_module_is_one_graph_and_sees_weight_updates tests/test_decode_kernels.py} \
         2>&1 | tee "$OUT/tests.log" | tail -n 40
 }
 
