@@ -221,3 +221,17 @@ def test_nbconvert_execute_stores_the_bar_as_a_widget_without_a_frozen_text_copy
     assert reading_problems(out) == []
     assert not [o for o in outputs if "calibrated cases" in json.dumps(o)]
     assert [_text(o) for o in outputs if o.get("output_type") == "stream"] == ["done\n"]
+
+
+# What the kernel reports on connecting; JupyterLab writes it into a notebook's metadata and marks the
+# notebook modified when it differs (the version: the lock's Python, requirements/cpu-py311.lock).
+LANGUAGE_INFO_KEYS = {"codemirror_mode", "file_extension", "mimetype", "name", "nbconvert_exporter",
+                      "pygments_lexer", "version"}
+
+
+@pytest.mark.parametrize("path", _ALL_NOTEBOOKS, ids=[str(p.relative_to(ROOT)) for p in _ALL_NOTEBOOKS])
+def test_notebooks_carry_the_kernels_language_info(path):
+    """A source notebook with a partial language_info is completed, and so marked modified, on opening."""
+    info = json.loads(path.read_text())["metadata"].get("language_info", {})
+    assert set(info) == LANGUAGE_INFO_KEYS, f"{path.relative_to(ROOT)}: language_info {info}"
+    assert info["version"].startswith("3.11."), info
