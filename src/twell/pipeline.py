@@ -45,6 +45,7 @@ import yaml
 
 from twell.cli import positive_float, report
 from twell.paths import SMOKE_PROFILE, environ_set, repo_root, reports_root
+from twell.reports.save import NOTEBOOK_DIR_VARIABLE
 
 PROG = "python -m twell.pipeline"
 
@@ -290,7 +291,8 @@ def _kernel_environment(reports: Path, kernel_name: str | None) -> Iterator[str]
     another environment with an absolute path), and nothing has to be registered by hand.
     """
     with tempfile.TemporaryDirectory(prefix="twell-kernel-") as tmp:
-        env: dict[str, str | None] = {"TWELL_REPORTS": str(reports), **KERNEL_QUIET_ENV}
+        env: dict[str, str | None] = {"TWELL_REPORTS": str(reports), NOTEBOOK_DIR_VARIABLE: str(reports / "notebooks"),
+                                      **KERNEL_QUIET_ENV}
         if not os.environ.get("MATPLOTLIBRC"):
             rc = Path(tmp) / "matplotlibrc"
             rc.write_text(f"figure.dpi: {INLINE_FIGURE_DPI}\n")
@@ -444,13 +446,21 @@ def _failed_output(results: list[NotebookResult]) -> Path | None:
     return next((r.output for r in results if r.status == "failed"), None)
 
 
+def _from_checkout(path: str | Path) -> str:
+    """``path`` relative to the checkout when it lies in it (a committed record names no machine's folders)."""
+    p, root = Path(path).absolute(), repo_root().resolve()
+    return p.relative_to(root).as_posix() if p.is_relative_to(root) else str(path)
+
+
 def _write_run_record(reports: Path, profile: str, results: list[NotebookResult]) -> Path:
     path = reports / "notebooks" / "pipeline_run.json"
     record = {
         "profile": profile,
         "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-        "python": sys.executable,
-        "results": [r.as_json() for r in results],
+        "python": _from_checkout(sys.executable),
+        "results": [{**r.as_json(), "output": _from_checkout(r.output) if r.output else None,
+                     "parameters": {k: _from_checkout(v) if k == "reports_dir" else v for k, v in r.parameters.items()}}
+                    for r in results],
     }
     path.write_text(json.dumps(record, indent=1, default=str))
     return path

@@ -1,7 +1,8 @@
 """Notebook 04's steps: run ``twell.bench.model`` per scale, read its results, and lay them out as the
 paper's main table (dense against sparse per scale: inference throughput, energy per token, peak
-memory, training throughput), with the paper's own numbers in separate, labelled columns, and the
-three figures (speed-up per scale, energy per token, memory)."""
+memory, training throughput), with the paper's own numbers in separate, labelled columns; a rounded view of
+that table for reading (ours beside the paper's, per scale); and three figures (speed-up per scale, energy
+per token, training peak memory)."""
 from __future__ import annotations
 
 import json
@@ -117,6 +118,8 @@ def efficiency_table(results: list[dict]):
             "training tok/s dense": tr["dense"]["tokens_per_s"] if tr else None,
             "training tok/s sparse": tr["sparse"]["tokens_per_s"] if tr else None,
             "training gain %": None if tr is None else 100 * _gain(tr),
+            "training peak MB dense": mb(tr["dense"].get("peak_bytes")) if tr else None,
+            "training peak MB sparse": mb(tr["sparse"].get("peak_bytes")) if tr else None,
             "paper: inference gain %": (None if paper_scale(m["label"]) not in PAPER["inference"]
                                         else 100 * PAPER["inference"][paper_scale(m["label"])]),
             "paper: training gain % (range over scales)": "{:+.1f} to {:+.1f}".format(
@@ -128,49 +131,120 @@ def efficiency_table(results: list[dict]):
     return pd.DataFrame(rows)
 
 
+def _change(new, old) -> Optional[float]:
+    return None if new is None or not old else 100 * (new / old - 1)
+
+
+def paper_view(table):
+    """The rounded view of :func:`efficiency_table` that notebook 04 shows: one row per scale, our number
+    beside the paper's for each measure (two header rows: measure, then ours / paper), units in the
+    headers, no index. Gains are sparse over dense in percent; the paper's training and energy numbers
+    are ranges over its scales, the same for every row."""
+    import pandas as pd
+
+    def pick(col):
+        return table[col] if col in table else pd.Series([None] * len(table))
+
+    paper_inf = pick("paper: inference gain %").map(lambda v: "" if v is None or pd.isna(v) else f"{v:+.1f}")
+    steps = table["scale"].map(lambda s: s.split("(", 1)[1].rstrip(")") if "(" in s else "")
+    view = pd.DataFrame({
+        ("model", "scale"): table["scale"].map(paper_scale),
+        ("model", "trained"): steps,
+        ("model", "active % (sparse)"): pick("active % (sparse)").round(2),
+        ("model", "CE sparse − dense"): (pick("CE sparse") - pick("CE dense")).round(3),
+        ("prefill throughput gain %", "ours"): pick("prefill gain %").round(1),
+        ("prefill throughput gain %", "paper"): paper_inf,
+        ("decode gain %, batch 1", "CUDA graph"): pick("decode CUDA graph gain %").round(1),
+        ("decode gain %, batch 1", "eager"): pick("decode eager gain %").round(1),
+        ("energy per token change %", "ours"): pick("energy change %").round(1),
+        ("energy per token change %", "paper"): pick("paper: energy change % (range over scales)"),
+        ("training throughput gain %", "ours"): pick("training gain %").round(1),
+        ("training throughput gain %", "paper"): pick("paper: training gain % (range over scales)"),
+        ("training peak memory change %", "ours"): [
+            None if d is None or pd.isna(d) else round(_change(s_, d), 1)
+            for s_, d in zip(pick("training peak MB sparse"), pick("training peak MB dense"))],
+    })
+    view.columns = pd.MultiIndex.from_tuples(view.columns)
+    return view
+
+
+def show_view(view):
+    """A pandas Styler of :func:`paper_view` for display: gains signed to one decimal, no index, a measure the
+    run did not take left blank."""
+    def fmt(spec):
+        return lambda v: "" if v is None or v != v else format(v, spec)
+
+    formats = {c: fmt("+.1f") for c in view.columns if view[c].dtype.kind == "f"}
+    formats[("model", "active % (sparse)")] = fmt(".2f")
+    formats[("model", "CE sparse − dense")] = fmt("+.3f")
+    return view.style.hide(axis="index").format({c: f for c, f in formats.items() if c in view.columns})
+
+
+# Bar groups of the speed-up figure: (measure, label) in drawing order; each at every batch a run measured.
+SPEEDUP_MEASURES = (("prefill", "prefill"), ("decode-compiled-graph", "decode, compiled CUDA graph"),
+                    ("decode-graph", "decode, CUDA graph"), ("decode", "decode, eager generate"),
+                    ("training", "training step"))
+
+
 def figures(results: list[dict], title: Optional[str] = None) -> dict:
-    """``speedup`` (sparse / dense per scale and measure), ``energy`` (J per token) and ``memory``
-    (peak MB) figures."""
+    """``speedup`` (sparse / dense throughput per scale and measure), ``energy`` (mJ per token, prefill at the
+    largest batch) and ``memory`` (training step peak, GB) figures, each with one title (``title``: the
+    device, appended to it). A measure one scale's run did not take is marked "not measured" where its bar
+    would be. The prefill peak is not drawn: at these batch sizes the logits set it, the same on both sides."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    labels = [r["model"]["label"] for r in results]
+    labels = [paper_scale(r["model"]["label"]) for r in results]
     x = np.arange(len(labels))
-    measures = []
-    for res in results:
-        for r in res["rows"]:
-            key = (r["measure"], r["batch"])
-            if key not in measures:
-                measures.append(key)
+    keys = [(m, b, name) for m, name in SPEEDUP_MEASURES
+            for b in sorted({r["batch"] for res in results for r in res["rows"] if r["measure"] == m})]
+    suffix = f" ({title})" if title else ""
     figs = {}
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) + 4.5), 3.6))
-    w = 0.8 / max(1, len(measures))
-    for i, (meas, b) in enumerate(measures):
-        vals = [(_row(res, meas, b) or {}).get("speedup", np.nan) for res in results]
-        ax.bar(x + (i - (len(measures) - 1) / 2) * w, vals, w, label=f"{meas} (batch {b})")
+    fig, ax = plt.subplots(figsize=(12.5, 5.2))
+    w = 0.84 / max(1, len(keys))
+    colors = plt.get_cmap("tab10").colors
+    missing: dict[tuple[str, str], list[int]] = {}
+    for i, (meas, b, name) in enumerate(keys):
+        pos = x + (i - (len(keys) - 1) / 2) * w
+        vals = np.array([(_row(res, meas, b) or {}).get("speedup", np.nan) for res in results], dtype=float)
+        ax.bar(pos, vals, w, label=f"{name}, batch {b}", color=colors[i % len(colors)])
+        for p, v, lab in zip(pos, vals, labels):
+            if np.isnan(v):
+                ax.text(p, 1.005, "not measured", rotation=90, ha="center", va="bottom", fontsize=9, color="0.35")
+                missing.setdefault((lab, name), []).append(b)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xticks=x, xticklabels=labels, ylabel="sparse / dense throughput", title="speed-up per scale")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
+    ax.set_ylim(min(0.8, np.nanmin([(_row(res, m, b) or {}).get("speedup", np.nan) for res in results
+                                    for m, b, _ in keys] + [1.0]) - 0.05), None)
+    ax.set_xticks(x, labels, fontsize=12)
+    ax.set_ylabel("sparse / dense throughput", fontsize=12)
+    ax.set_title("Sparse over dense throughput per scale" + suffix, fontsize=13)
+    ax.legend(fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3, axis="y")
+    if missing:
+        gaps = "; ".join(f"{lab}'s run has no '{name}' rows (batch {', '.join(map(str, bs))})"
+                         for (lab, name), bs in missing.items())
+        fig.text(0.01, 0.005, f"not measured: {gaps}", fontsize=10, color="0.35", ha="left", va="bottom")
     figs["speedup"] = fig
-    for key, field, unit, name in (("energy", "joules_per_token", 1e3, "mJ per token (prefill)"),
-                                   ("memory", "peak_bytes", 1 / 2**20, "peak MB above the model (prefill)")):
-        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels) + 3), 3.4))
+    for key, pick, unit, ylabel, name in (
+            ("energy", _largest_prefill, 1e3, "mJ per token", "Energy per token, prefill at the largest batch"),
+            ("memory", lambda res: _row(res, "training"), 1 / 1e9, "peak GB", "Training step peak memory")):
+        fig, ax = plt.subplots(figsize=(8, 4.4))
+        field = "joules_per_token" if key == "energy" else "peak_bytes"
         for j, side in enumerate(("dense", "sparse")):
             vals = []
             for res in results:
-                big = _largest_prefill(res)
-                v = big[side].get(field) if big else None
+                row = pick(res)
+                v = row[side].get(field) if row else None
                 vals.append(np.nan if v is None else v * unit)
             ax.bar(x + (j - 0.5) * 0.4, vals, 0.4, label=side)
-        ax.set(xticks=x, xticklabels=labels, ylabel=name, title=name)
-        ax.legend(fontsize=7)
+        ax.set_xticks(x, labels, fontsize=12)
+        ax.set_ylabel(ylabel, fontsize=12)
+        ax.set_title(name + suffix, fontsize=13)
+        ax.legend(fontsize=11)
         ax.grid(alpha=0.3, axis="y")
         figs[key] = fig
     for fig in figs.values():
-        if title:
-            fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.04, 1, 1) if fig is figs["speedup"] and missing else None)
     return figs
 
 
@@ -207,3 +281,11 @@ def ffn_at_paper_sparsity(files: Mapping[str, str | Path], case: str = PAPER_CAS
         rows += [{"measure": measure, "implementation": FFN_MEASURES[measure], "case": case, "M": m,
                   "sparse / dense": s, "device": device, "file": Path(f).name} for m, s in sorted(found)]
     return pd.DataFrame(rows)
+
+
+def ffn_view(table):
+    """:func:`ffn_at_paper_sparsity` for reading: a pandas Styler without index or the case column (one case),
+    the speed-up to two decimals, the benchmark file named in full."""
+    view = table.drop(columns=["case"]).rename(columns={"M": "M (rows)", "sparse / dense": "sparse / dense (x)",
+                                                        "file": "benchmark file"})
+    return view.style.hide(axis="index").format({"sparse / dense (x)": "{:.2f}"})

@@ -31,7 +31,8 @@ def plot_tile_packing(h: torch.Tensor, t: TwELL) -> Figure:
     vmax = float(h.max()) if h.numel() and float(h.max()) > 0 else 1.0
     cmap = colormaps[_VALUE_CMAP].with_extremes(bad="white")
 
-    fig = Figure(figsize=(max(10.0, 0.36 * n_tiles * S + 2.5), 2.2 + 0.62 * M * 2), layout="constrained")
+    # at most 13.5 in: a notebook 1000 px wide at 72 px per inch (the pipeline's inline resolution)
+    fig = Figure(figsize=(min(13.5, max(10.0, 0.36 * n_tiles * S + 2.5)), 2.2 + 0.62 * M * 2), layout="constrained")
     ax_d, ax_p = fig.subplots(2, 1, height_ratios=[1, 1.15])
 
     # Dense tile: zeros masked so the sparsity pattern is visible.
@@ -92,7 +93,7 @@ def plot_footprint(df: pd.DataFrame, sweep_tail: float = 0.1) -> Figure:
     tile width T, a line per compression C, the hybrid format, and the heavy-tail cases as stars."""
     tiles = sorted(int(t) for t in df["tile"].dropna().unique())
     H = int(df["H"].iloc[0])
-    fig = Figure(figsize=(4.4 * len(tiles) + 2.2, 4.4), layout="constrained")
+    fig = Figure(figsize=(min(13.5, 4.0 * len(tiles) + 1.5), 4.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(tiles), sharey=True))
     sweep = df[np.isclose(df["tail"], sweep_tail)].sort_values("mean_active")
     others = df[~np.isclose(df["tail"], sweep_tail)]

@@ -379,6 +379,51 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
     return lines
 
 
+SECTIONS = {"inference": "inference FFN", "odd": "inference FFN, odd shape", "train": "training FFN",
+            "real": "checkpoint layers"}
+
+
+def report_summary(run: BenchRun) -> pd.DataFrame:
+    """A benchmark result in a few rows, for a notebook that links the whole report: per section (inference,
+    odd shape, training, checkpoint layers), its cases, the row counts M, the implementations timed, their
+    speed-up range over dense and how many results were correct."""
+    groups: dict[str, list[dict]] = {}
+    for r in run.result["cases"]:
+        kind = "real" if r["case"].get("layer") is not None else r["case"]["kind"]
+        groups.setdefault(kind, []).append(r)
+    rows = []
+    for kind, cases in groups.items():
+        impls = sorted({name for r in cases for name in r.get("impls", {})})
+        timed = [v for r in cases for v in r.get("impls", {}).values() if "speedup" in v]
+        speed = [v["speedup"] for v in timed]
+        rows.append({
+            "section": SECTIONS.get(kind, kind), "cases": len(cases),
+            "M": ", ".join(str(m) for m in sorted({r["case"]["M"] for r in cases})),
+            "implementations": ", ".join(impls) if impls else "dense only (no sparse implementation in this run)",
+            "speed-up over dense": f"{min(speed):.2f}x to {max(speed):.2f}x" if speed else "",
+            "correct": f"{sum(bool(v.get('ok')) for v in timed)} of {len(timed)}" if timed else "",
+        })
+    return pd.DataFrame(rows)
+
+
+def speedup_view(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Rows of :func:`speedup_table` for several implementations of one run, side by side: one row per case
+    and M with the measured nnz, each implementation's speed-up (x) and the bar, the published kernels and
+    whether the first implementation meets the bar. Device and time are the same in every row: left out."""
+    first = tables[0]
+    view = first[["shape", "case", "M", "nnz mean", "nnz max"]].copy()
+    view["nnz mean"] = view["nnz mean"].round(1)
+    for t in tables:
+        view[f"{t['impl'].iloc[0]} (x)"] = t["speedup"].round(2).to_numpy()
+    view["bar (x)"] = first["bar"]
+    view["published (x)"] = first["published"].map(
+        lambda v: f"{v:.2f}" if isinstance(v, float) else ("wrong results" if v == PUBLISHED_HEAVY else v))
+    view[f"{first['impl'].iloc[0]} meets bar"] = first["meets bar"].replace("n/a", "")
+    view["correct"] = ["yes" if all(t["correct"].iloc[i] == "yes" for t in tables) else "no"
+                       for i in range(len(first))]
+    return view
+
+
 # ------------------------------------------------------------------ figure
 WRONG_LABEL = "WRONG (rel. error >= tol), or failed: no timing, drawn at 0"
 

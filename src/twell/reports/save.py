@@ -6,11 +6,17 @@ Figures go to ``<reports>/figures/<name>.png`` (and ``.svg`` on request), tables
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+from twell.paths import repo_root
 from twell.paths import reports_dir as _default_reports_dir
+
+# Set by the pipeline for its kernels: the folder the executed notebook is written to (<reports>/notebooks),
+# which is not the folder the kernel runs in (the source notebook's). Links in outputs are relative to it.
+NOTEBOOK_DIR_VARIABLE = "TWELL_NOTEBOOK_DIR"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -26,8 +32,11 @@ def _target(kind: str, name: str, reports_dir: str | Path | None) -> Path:
     return folder / name
 
 
+SAVE_DPI = 150
+
+
 def save_figure(fig, name: str, reports_dir: str | Path | None = None, *, svg: bool = False,
-                dpi: int = 150) -> tuple[Path, ...]:
+                dpi: int = SAVE_DPI) -> tuple[Path, ...]:
     """Save a matplotlib Figure as ``figures/<name>.png`` (+ ``.svg``); return the written paths."""
     from matplotlib.figure import Figure
 
@@ -71,6 +80,18 @@ def markdown_table(df, float_digits: int = 4, index: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readable(df, float_digits: int = 4):
+    """A DataFrame for display: a pandas Styler without the index, floats to ``float_digits`` significant
+    digits as in :func:`markdown_table`, no text cut short (pandas' own display shortens long strings to
+    ``...`` and hides middle columns of wide tables)."""
+    import pandas as pd
+
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"expected a pandas DataFrame, got {type(df).__name__}")
+    floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
+    return df.style.hide(axis="index").format(lambda v: _cell(v, float_digits), subset=floats)
+
+
 def save_table(df, name: str, reports_dir: str | Path | None = None, *, index: bool = False,
                float_digits: int = 4) -> tuple[Path, Path]:
     """Save a DataFrame as ``tables/<name>.csv`` (full precision) and ``tables/<name>.md``; return both paths."""
@@ -80,3 +101,55 @@ def save_table(df, name: str, reports_dir: str | Path | None = None, *, index: b
     df.to_csv(csv_path, index=index)
     md_path.write_text(md)
     return csv_path, md_path
+
+
+def file_link(path: str | Path) -> str:
+    """A Markdown link to ``path`` from the notebook whose outputs show it: relative to ``$TWELL_NOTEBOOK_DIR``
+    (the pipeline's executed copies) or else to the working directory (a notebook run in JupyterLab runs in
+    its own folder). The text is the path from the checkout (the file name outside it)."""
+    path = Path(path).resolve()
+    base = Path(os.environ.get(NOTEBOOK_DIR_VARIABLE) or os.getcwd()).resolve()
+    root = repo_root().resolve()
+    text = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+    return f"[`{text}`]({Path(os.path.relpath(path, base)).as_posix()})"
+
+
+def display_path(path: str | Path) -> str:
+    """A checkpoint or file path as a committed report shows it: a relative path (or hub id) as given; an
+    absolute one relative to this checkout, else from its last ``runs`` folder (``runs/<name>/final``, where
+    ``python -m twell.train`` leaves models), else its name. Evaluations and benchmarks record the absolute
+    paths of the machine they ran on; a report names no machine's folders."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(path)
+    root = repo_root().resolve()
+    if p.is_relative_to(root):
+        return p.relative_to(root).as_posix()
+    if "runs" in p.parts:
+        i = len(p.parts) - 1 - p.parts[::-1].index("runs")
+        return "/".join(p.parts[i:])
+    return p.name
+
+
+def relative_source(run):
+    """A copy of an evaluation run (``twell.eval.harness.EvalRun``, any dataclass with ``source``) whose source
+    is :func:`display_path` of its own."""
+    import dataclasses
+
+    return dataclasses.replace(run, source=display_path(run.source))
+
+
+def saved_image(png: str | Path, dpi: int = SAVE_DPI):
+    """An IPython ``Image`` of a PNG that :func:`save_figure` wrote at ``dpi``, to be shown at the size of the
+    kernel's inline figures (``figure.dpi`` pixels per inch): a 150-dpi file shown one pixel per pixel would
+    be twice the figure's size, and a notebook scales an image wider than itself down to fit."""
+    import struct
+
+    import matplotlib
+    from IPython.display import Image
+
+    data = Path(png).read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{png}: expected a PNG file")
+    width = struct.unpack(">I", data[16:20])[0]  # the IHDR chunk comes first
+    return Image(data=data, format="png", width=round(width * float(matplotlib.rcParams["figure.dpi"]) / dpi))
