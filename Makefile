@@ -24,7 +24,7 @@ VENV_PYTHON := $(PYTHON)
 endif
 PIP_LOCK := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup run test bench gpu-check clean-reports lock
+.PHONY: setup run test bench gpu-check clean-reports lock browser-setup browser-check
 
 $(VENV)/bin/python:
 	$(BASE_PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ run: setup
 
 test: setup
 	$(PYTHON) -m pytest -v
+
+# The browser check (tests/test_browser.py): Debian's chromium when absent (never fails: without apt-get
+# or root it says why, and the check skips), then the check alone, keeping the first-page screenshots.
+browser-setup:
+	bash scripts/install_chromium.sh
+
+browser-check: setup browser-setup
+	TWELL_SCREENSHOTS=reports/screenshots $(PYTHON) -m pytest -v -m browser tests/test_browser.py
 
 # Regenerate the lock in a temporary fresh venv (then review the diff and commit it).
 lock:
