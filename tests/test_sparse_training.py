@@ -277,3 +277,28 @@ def test_compiled_layers_train_without_graph_breaks_as_routes_and_activity_move(
         be.update(fs, [5.0 + step + 3 * i + (40 if step == 3 else 0) for i in range(3)])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert {f.last_path for f in fs} <= {"train-reference", "dense"}
+
+
+def test_compiled_layers_share_their_graphs_whatever_their_reasons():
+    """Layers that share one compiled forward (train.compile compiles each decoder layer; the layers share
+    its code) and differ only in why their route was set share its graphs: a reason read in traced code
+    gave each layer its own graph, and past dynamo's recompile limit (8) the rest ran eager. The reported
+    reason is still each layer's own."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    be = SparseTraining(impl="reference", start="sparse", min_rows=0, max_active=0.5)
+    fs = [_ffn(D=64, H=256, seed=i) for i in range(10)]
+    for f in fs:
+        f.train_backend = be
+    be.update(fs, [2.0 + i for i in range(10)])  # ten different activities, all sparse: ten reasons
+    assert len({be.layer(f).why for f in fs}) == 10
+    compiled = [torch.compile(f, backend="eager") for f in fs]
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    for c in compiled:
+        (c(x).float().sum() + c._orig_mod.stats.l1).backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert {f.last_path for f in fs} == {"train-reference"}
+    ev = be.route_events(fs)
+    assert ev["why"] == [f"training: sparse ({be.layer(f).why})" for f in fs]

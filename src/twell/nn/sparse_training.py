@@ -36,6 +36,10 @@ MAX_ACTIVE = 0.008
 # Default row floor: a forward of fewer rows (tokens) trains dense, where the training op's fixed costs
 # (gate GEMM, compaction, work list, launches) outweigh the skipped work (docs/routing.md, "Training").
 MIN_ROWS = 8192
+# The reason a compiled training call's Route carries in place of the layer's ``why``: compiled code guards
+# on every attribute it reads, so a per-layer reason string gave each layer its own graph, and past
+# dynamo's recompile limit (8) the remaining layers ran eager. route_events puts the layer's why back.
+COMPILED_WHY = "the reason set with the route"
 
 
 @dataclass
@@ -44,8 +48,8 @@ class LayerTraining:
 
     route:     what the activity asks for on the next training calls, "dense" or "sparse"
     activity:  smoothed fraction of the layer's neurons active per token (None: not measured yet)
-    why:       why the route is what it is, written when it was set (compiled code reads it; no float is
-               formatted there, and a reason that changed every step would log an event every step)
+    why:       why the route is what it is, written when it was set (a reason that changed every step
+               would log an event every step); compiled code does not read it (``COMPILED_WHY``)
     reported:  (route, ran, why) as the last :meth:`SparseTraining.route_events` reported them
     """
 
@@ -108,7 +112,8 @@ class SparseTraining:
         """The Route of one training call of ``ffn`` on x (pure: changes nothing)."""
         st = self.layer(ffn)
         n = rows(x)
-        sparse, why = st.route == "sparse", st.why
+        sparse = st.route == "sparse"
+        why = COMPILED_WHY if torch.compiler.is_compiling() else st.why
         if sparse and n < self.min_rows:
             sparse, why = False, f"{n} rows per forward < min_rows {self.min_rows}; {why}"
         return plan_training(ffn.layer_state(), x, sparse=sparse, impl=self.impl,
@@ -146,7 +151,8 @@ class SparseTraining:
         now = []
         for f in ffns:
             r = f.last_route
-            ran = (r.path, r.reason) if r is not None and r.training else (None, "")
+            ran = ((r.path, r.reason.replace(COMPILED_WHY, self.layer(f).why)) if r is not None and r.training
+                   else (None, ""))
             now.append((self.route(f), *ran))
         changed = False
         for f, rec in zip(ffns, now):
