@@ -144,6 +144,10 @@ def test_run_record_round_trips(run_and_connects, tmp_path):
     run, _ = run_and_connects
     again = EvalRun.load_json(run.save_json(tmp_path / "run.json"))
     assert again == run
+    import gzip
+
+    (tmp_path / "run.json.gz").write_bytes(gzip.compress((tmp_path / "run.json").read_bytes()))
+    assert EvalRun.load_json(tmp_path / "run.json.gz") == run
 
 
 def test_missing_task_is_skipped_not_zero(fixture_dir, model_and_tokenizer, tmp_path):

@@ -244,7 +244,14 @@ class EvalRun:
 
     @classmethod
     def load_json(cls, path: str | Path) -> "EvalRun":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read an EvalRun JSON, plain or gzipped (``.json.gz``: the committed seven-task logs, a few MB each)."""
+        path = Path(path)
+        if path.suffix == ".gz":
+            import gzip
+
+            with gzip.open(path, "rt") as f:
+                return cls.from_dict(json.load(f))
+        return cls.from_dict(json.loads(path.read_text()))
 
 
 def check_limit(limit) -> None:
