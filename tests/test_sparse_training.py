@@ -281,9 +281,9 @@ def test_compiled_layers_train_without_graph_breaks_as_routes_and_activity_move(
 
 def test_compiled_layers_share_their_graphs_whatever_their_reasons():
     """Layers that share one compiled forward (train.compile compiles each decoder layer; the layers share
-    its code) and differ only in why their route was set share its graphs: a reason read in traced code
-    gave each layer its own graph, and past dynamo's recompile limit (8) the rest ran eager. The reported
-    reason is still each layer's own."""
+    its code) and differ only in why their route was set, or in what inference's "auto" measured on them,
+    share its graphs: either read in traced code gave each layer its own graph, and past dynamo's
+    recompile limit (8) the rest ran eager. The reported reason is still each layer's own."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -294,6 +294,8 @@ def test_compiled_layers_share_their_graphs_whatever_their_reasons():
         f.train_backend = be
     be.update(fs, [2.0 + i for i in range(10)])  # ten different activities, all sparse: ten reasons
     assert len({be.layer(f).why for f in fs}) == 10
+    for i, f in enumerate(fs):  # and ten different measurements of inference's "auto" (its activity, note)
+        f._set_activity(0.001 * (i + 1))
     compiled = [torch.compile(f, backend="eager") for f in fs]
     x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
     for c in compiled:

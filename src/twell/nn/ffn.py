@@ -491,6 +491,25 @@ class SparseFFN(nn.Module):
             ceilings=self.auto_ceilings,
             decode_max_rows=self.decode_max_rows(), choice_note=self._activity_note, train_slots=TRAIN_SLOTS)
 
+    def train_layer_state(self) -> routing.LayerState:
+        """The LayerState a training call is planned on (:func:`twell.nn.routing.plan_training`). Eager code
+        takes :meth:`layer_state`; compiled code builds it from what training planning reads alone, since
+        compiled code guards on every attribute it reads: "auto"'s per-layer measurements (activity, its
+        note, its choice) gave each layer of a shared compiled forward its own graph, and past dynamo's
+        recompile limit (8) the rest ran eager."""
+        if not torch.compiler.is_compiling():
+            return self._cached_state()[1]
+        ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
+        return routing.LayerState(
+            path=self.path, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
+            backend="sparse-training", no_sparse_why=self._no_sparse_layer(),
+            weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)), no_kernel_why=self._no_kernel_layer(),
+            no_train_why=self._no_train_layer(), gate_why=self._gate_why(), train_slots=TRAIN_SLOTS,
+            # not read by training planning:
+            decode_rows=0, dense_rows=None, auto_dense=None, timed=False, activity=None, activity_text="",
+            auto_max_active=0.0, ceilings=(), decode_max_rows=0, choice_note=None)
+
     def _changed(self) -> None:
         """A setter changed what planning reads: the next call rebuilds the LayerState."""
         self._state_gen += 1

@@ -116,7 +116,7 @@ class SparseTraining:
         why = COMPILED_WHY if torch.compiler.is_compiling() else st.why
         if sparse and n < self.min_rows:
             sparse, why = False, f"{n} rows per forward < min_rows {self.min_rows}; {why}"
-        return plan_training(ffn.layer_state(), x, sparse=sparse, impl=self.impl,
+        return plan_training(ffn.train_layer_state(), x, sparse=sparse, impl=self.impl,
                              strict="train.sparse_kernels=always" if self.strict else None,
                              autocast_dtype=autocast_dtype(x), why=why, slots=self.slots)
 
