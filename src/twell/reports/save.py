@@ -34,6 +34,8 @@ def _target(kind: str, name: str, reports_dir: str | Path | None) -> Path:
 
 SAVE_DPI = 150
 
+MISSING = "-"  # how tables show a value that was not measured
+
 
 def save_figure(fig, name: str, reports_dir: str | Path | None = None, *, svg: bool = False,
                 dpi: int = SAVE_DPI) -> tuple[Path, ...]:
@@ -52,6 +54,8 @@ def save_figure(fig, name: str, reports_dir: str | Path | None = None, *, svg: b
 
 
 def _cell(v: Any, float_digits: int) -> str:
+    if v is None:  # a measure the run did not record (e.g. energy without a power counter)
+        return MISSING
     if isinstance(v, float):
         if math.isnan(v):
             return ""
@@ -83,13 +87,14 @@ def markdown_table(df, float_digits: int = 4, index: bool = False) -> str:
 def readable(df, float_digits: int = 4):
     """A DataFrame for display: a pandas Styler without the index, floats to ``float_digits`` significant
     digits as in :func:`markdown_table`, no text cut short (pandas' own display shortens long strings to
-    ``...`` and hides middle columns of wide tables)."""
+    ``...`` and hides middle columns of wide tables); a missing value (None or NaN) reads ``-``."""
     import pandas as pd
 
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"expected a pandas DataFrame, got {type(df).__name__}")
     floats = [c for c in df.columns if pd.api.types.is_float_dtype(df[c])]
-    return df.style.hide(axis="index").format(lambda v: _cell(v, float_digits), subset=floats)
+    shown = lambda v: MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else _cell(v, float_digits)  # noqa: E731
+    return df.style.hide(axis="index").format(na_rep=MISSING).format(shown, subset=floats)
 
 
 def save_table(df, name: str, reports_dir: str | Path | None = None, *, index: bool = False,
