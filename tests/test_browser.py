@@ -40,11 +40,7 @@ def views(chromium) -> dict[str, bc.NotebookView]:
 
 
 # Known faults, each until the notebook is next executed: strict, so a fixed one fails here until removed.
-KNOWN = {
-    "reports/notebooks/02_sparse_training.ipynb":
-        "its run tables are pandas' own display (the data column cut to '...', 1037 px wide): re-executed with "
-        "the runs it will show next",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN[p], strict=True))
