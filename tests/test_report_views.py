@@ -114,3 +114,14 @@ def test_relative_source_of_a_committed_evaluation():
     assert Path(run.source).is_absolute()  # what the GPU machine recorded
     shown = relative_source(run)
     assert shown.source == "runs/eff_0p5b/final" and shown.tasks == run.tasks and run.source != shown.source
+
+
+def test_paper_view_of_a_run_without_energy_or_training_rows(results):
+    """A CPU run (cpu-smoke) measures no energy and may lack rows: those columns hold None, shown blank."""
+    table = efficiency.efficiency_table(results)
+    for col in ("energy change %", "decode CUDA graph gain %", "training gain %"):
+        table[col] = [None] * len(table)
+    view = efficiency.paper_view(table)
+    assert view[("energy per token change %", "ours")].isna().all()
+    assert view[("prefill throughput gain %", "ours")].tolist() == table["prefill gain %"].round(1).tolist()
+    assert "nan" not in efficiency.show_view(view).to_html().lower()

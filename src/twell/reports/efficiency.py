@@ -145,20 +145,23 @@ def paper_view(table):
     def pick(col):
         return table[col] if col in table else pd.Series([None] * len(table))
 
+    def num(col, digits):  # a measured column: None (not measured, e.g. energy on a CPU) shows blank
+        return pd.to_numeric(pick(col), errors="coerce").round(digits)
+
     paper_inf = pick("paper: inference gain %").map(lambda v: "" if v is None or pd.isna(v) else f"{v:+.1f}")
     steps = table["scale"].map(lambda s: s.split("(", 1)[1].rstrip(")") if "(" in s else "")
     view = pd.DataFrame({
         ("model", "scale"): table["scale"].map(paper_scale),
         ("model", "trained"): steps,
-        ("model", "active % (sparse)"): pick("active % (sparse)").round(2),
-        ("model", "CE sparse − dense"): (pick("CE sparse") - pick("CE dense")).round(3),
-        ("prefill throughput gain %", "ours"): pick("prefill gain %").round(1),
+        ("model", "active % (sparse)"): num("active % (sparse)", 2),
+        ("model", "CE sparse − dense"): (num("CE sparse", 12) - num("CE dense", 12)).round(3),
+        ("prefill throughput gain %", "ours"): num("prefill gain %", 1),
         ("prefill throughput gain %", "paper"): paper_inf,
-        ("decode gain %, batch 1", "CUDA graph"): pick("decode CUDA graph gain %").round(1),
-        ("decode gain %, batch 1", "eager"): pick("decode eager gain %").round(1),
-        ("energy per token change %", "ours"): pick("energy change %").round(1),
+        ("decode gain %, batch 1", "CUDA graph"): num("decode CUDA graph gain %", 1),
+        ("decode gain %, batch 1", "eager"): num("decode eager gain %", 1),
+        ("energy per token change %", "ours"): num("energy change %", 1),
         ("energy per token change %", "paper"): pick("paper: energy change % (range over scales)"),
-        ("training throughput gain %", "ours"): pick("training gain %").round(1),
+        ("training throughput gain %", "ours"): num("training gain %", 1),
         ("training throughput gain %", "paper"): pick("paper: training gain % (range over scales)"),
         ("training peak memory change %", "ours"): [
             None if d is None or pd.isna(d) else round(_change(s_, d), 1)
