@@ -304,7 +304,7 @@ def test_notebook_00_cpu_smoke_writes_reports(tmp_path):
     assert elapsed < 120, f"notebook 00 cpu-smoke took {elapsed:.0f} s"
 
 
-_LATER = ["01_kernels", "02_sparse_training", "03_downstream_eval"]
+_LATER = ["01_kernels", "02_sparse_training", "03_downstream_eval", "04_efficiency"]
 _MISSING = [n for n in _LATER if not (ROOT / "notebooks" / f"{n}.ipynb").is_file()
             or not (ROOT / "configs" / "pipeline" / f"{n}.yaml").is_file()]
 
@@ -312,8 +312,8 @@ _MISSING = [n for n in _LATER if not (ROOT / "notebooks" / f"{n}.ipynb").is_file
 @pytest.mark.slow
 @pytest.mark.skipif(bool(_MISSING), reason=f"notebook or profile not written yet: {', '.join(_MISSING)}")
 def test_rest_of_pipeline_cpu_smoke(tmp_path):
-    """CI runs the whole pipeline in its smallest profile: 01-03 here, 00 in the test above."""
-    results = pl.run_pipeline("cpu-smoke", only="01,02,03", reports_dir=tmp_path / "reports", progress=False)
+    """CI runs the whole pipeline in its smallest profile: 01-04 here, 00 in the test above."""
+    results = pl.run_pipeline("cpu-smoke", only="01,02,03,04", reports_dir=tmp_path / "reports", progress=False)
     assert [(r.notebook, r.status) for r in results] == [(n, "ok") for n in _LATER]
     for r in results:
         assert r.output.is_file()
