@@ -120,11 +120,16 @@ def jupyterlab(root: Path, home: Path, timeout: float = 90) -> Iterator[Lab]:
     finally:
         with contextlib.suppress(Exception):
             lab.shutdown_sessions()
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a server this check started: terminate, then kill if it has not exited after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 class Page:
@@ -191,11 +196,7 @@ def chromium(executable: str, home: Path, timeout: float = 60) -> Iterator[Page]
         if page is not None:
             with contextlib.suppress(Exception):
                 page.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
 
 
 # Runs in the page: the open notebook's state once it is ready, else null. Problems are strings naming the cell.

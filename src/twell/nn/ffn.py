@@ -476,20 +476,26 @@ class SparseFFN(nn.Module):
             cached = self._state = (key, self._build_state(), {})
         return cached
 
-    def _build_state(self) -> routing.LayerState:
+    def _build_state(self, training_only: bool = False) -> routing.LayerState:
+        """The LayerState of this layer; ``training_only``: "auto"'s per-layer settings and measurements,
+        which training planning does not read, left at neutral values (see :meth:`train_layer_state`)."""
         ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
         b = self.train_backend
+        if training_only:
+            auto = dict(decode_rows=0, dense_rows=None, auto_dense=None, timed=False, activity=None,
+                        activity_text="", auto_max_active=0.0, ceilings=(), decode_max_rows=0, choice_note=None)
+        else:
+            auto = dict(decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
+                        timed=self._timed, activity=self._activity, activity_text=self._activity_text,
+                        auto_max_active=self.auto_max_active, ceilings=self.auto_ceilings,
+                        decode_max_rows=self.decode_max_rows(), choice_note=self._activity_note)
         return routing.LayerState(
             path=self.path, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
             backend="none" if b is None else ("sparse-training" if hasattr(b, "plan") else "custom"),
             no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)),
             no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(), gate_why=self._gate_why(),
-            decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
-            timed=self._timed, activity=self._activity, activity_text=self._activity_text,
-            auto_max_active=self.auto_max_active,
-            ceilings=self.auto_ceilings,
-            decode_max_rows=self.decode_max_rows(), choice_note=self._activity_note, train_slots=TRAIN_SLOTS)
+            train_slots=TRAIN_SLOTS, **auto)
 
     def train_layer_state(self) -> routing.LayerState:
         """The LayerState a training call is planned on (:func:`twell.nn.routing.plan_training`). Eager code
@@ -499,16 +505,7 @@ class SparseFFN(nn.Module):
         recompile limit (8) the rest ran eager."""
         if not torch.compiler.is_compiling():
             return self._cached_state()[1]
-        ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
-        return routing.LayerState(
-            path=self.path, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
-            backend="sparse-training", no_sparse_why=self._no_sparse_layer(),
-            weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)), no_kernel_why=self._no_kernel_layer(),
-            no_train_why=self._no_train_layer(), gate_why=self._gate_why(), train_slots=TRAIN_SLOTS,
-            # not read by training planning:
-            decode_rows=0, dense_rows=None, auto_dense=None, timed=False, activity=None, activity_text="",
-            auto_max_active=0.0, ceilings=(), decode_max_rows=0, choice_note=None)
+        return self._build_state(training_only=True)
 
     def _changed(self) -> None:
         """A setter changed what planning reads: the next call rebuilds the LayerState."""
