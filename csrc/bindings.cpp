@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("d_out"), py::arg("l1_grad"), py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"),
         py::arg("w_down_t"), py::arg("idx"), py::arg("val"), py::arg("u"), py::arg("h"), py::arg("nnz"),
         py::arg("heavy"), py::arg("ent"), py::arg("items"), py::arg("longs"), py::arg("sizes"), py::arg("slots"),
-        py::arg("rows_done") = py::none());
+        py::arg("column_parts") = 0, py::arg("rows_done") = py::none());
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");
   m.def("train_columns", &train_columns, "weight gradients from the column-sorted entries");

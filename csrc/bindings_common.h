@@ -134,7 +134,8 @@ std::vector<at::Tensor> train_columns(const at::Tensor& ent, const at::Tensor& i
                                       const at::Tensor& du, const at::Tensor& dg, const at::Tensor& x,
                                       const at::Tensor& dy, const c10::optional<at::Tensor>& heavy_down,
                                       const c10::optional<at::Tensor>& heavy_up,
-                                      const c10::optional<at::Tensor>& heavy_gate, int64_t H, int64_t slots);
+                                      const c10::optional<at::Tensor>& heavy_gate, int64_t H, int64_t slots,
+                                      int64_t column_parts);
 std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& nnz, int64_t H, int64_t slots,
                                        int64_t chunk);
 at::Tensor transpose_bf16(const at::Tensor& w);
@@ -147,6 +148,7 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
                                        const at::Tensor& val, const at::Tensor& u, const at::Tensor& h,
                                        const at::Tensor& nnz, const at::Tensor& heavy, const at::Tensor& ent,
                                        const at::Tensor& items, const at::Tensor& longs, const at::Tensor& sizes,
-                                       int64_t slots, const c10::optional<std::vector<at::Tensor>>& rows_done);
+                                       int64_t slots, int64_t column_parts,
+                                       const c10::optional<std::vector<at::Tensor>>& rows_done);
 
 }  // namespace twell::bind

@@ -119,7 +119,8 @@ std::vector<at::Tensor> train_columns(const at::Tensor& ent, const at::Tensor& i
                                       const at::Tensor& du, const at::Tensor& dg, const at::Tensor& x,
                                       const at::Tensor& dy, const c10::optional<at::Tensor>& heavy_down,
                                       const c10::optional<at::Tensor>& heavy_up,
-                                      const c10::optional<at::Tensor>& heavy_gate, int64_t H, int64_t slots) {
+                                      const c10::optional<at::Tensor>& heavy_gate, int64_t H, int64_t slots,
+                                      int64_t column_parts) {
   const char* op = "twell.train_columns";
   check_bf16_matrix(x, "x");
   check_bf16_matrix(dy, "dy");
@@ -153,7 +154,8 @@ std::vector<at::Tensor> train_columns(const at::Tensor& ent, const at::Tensor& i
                         long_part_lo.data_ptr<int>(), long_part_n.data_ptr<int>(), int(n_long), h.data_ptr(),
                         du.data_ptr(), dg.data_ptr(), x.data_ptr(), dy.data_ptr(), ptr(heavy_down), ptr(heavy_up),
                         ptr(heavy_gate), d_down.data_ptr(), d_up.data_ptr(), d_gate.data_ptr(),
-                        partial.data_ptr<float>(), int(D), int(slots)};
+                        partial.data_ptr<float>(), int(D), int(slots),
+                        twell::train_column_parts(int(M), int(D), int(column_parts))};
   check_launch(twell::launch_train_columns(a, c10::cuda::getCurrentCUDAStream()), "train_columns");
   return {d_down, d_up, d_gate};
 }
@@ -316,6 +318,9 @@ std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_g
   return {out, row_l1, nnz, c[3].to(at::kBool), idx, val, f[1], f[2], heavy, wl[0], wl[1], wl[2], sizes, w_down_t};
 }
 
+// Heavy rows per chunk of the backward's elementwise part (its temporaries: about 8 x rows x H bf16).
+constexpr int64_t kHeavyChunkRows = 2048;
+
 // Its backward: dx, d_w_gate, d_w_up, d_w_down. The light rows' kernel needs none of sizes, so it is
 // queued before the host reads them and the GPU works while the host waits. rows_done: that kernel's
 // results (dx, du, dg) when the caller queued it itself before waiting for sizes (eager calls: sizes is
@@ -328,7 +333,8 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
                                        const at::Tensor& val, const at::Tensor& u, const at::Tensor& h,
                                        const at::Tensor& nnz, const at::Tensor& heavy, const at::Tensor& ent,
                                        const at::Tensor& items, const at::Tensor& longs, const at::Tensor& sizes,
-                                       int64_t slots, const c10::optional<std::vector<at::Tensor>>& rows_done) {
+                                       int64_t slots, int64_t column_parts,
+                                       const c10::optional<std::vector<at::Tensor>>& rows_done) {
   TORCH_CHECK(sizes.scalar_type() == at::kLong && sizes.numel() == 4,
               "twell.train_backward: sizes must be the forward's int64 [4]");
   TORCH_CHECK(!rows_done.has_value() || rows_done->size() == 3,
@@ -357,12 +363,23 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
   if (n_heavy > 0) {
     const at::Tensor rows = heavy.narrow(0, 0, n_heavy).to(at::kLong);
     const at::Tensor xh = x.index_select(0, rows), dyh = d_out.index_select(0, rows);
-    const at::Tensor gh = at::mm(xh, w_gate.t()), uh = at::mm(xh, w_up.t());
-    const at::Tensor gr = at::relu(gh), hh = gr * uh;
-    at::Tensor ds = at::mm(dyh, w_down);
-    if (l1_grad.has_value()) ds = ds + (at::sign(hh.to(at::kFloat)) * *l1_grad).to(ds.scalar_type());
-    const at::Tensor duh = ds * gr;
-    const at::Tensor dgh = at::where(gh.gt(0), ds * uh, at::zeros({}, ds.options()));
+    // h, du and dg of the heavy rows, computed in chunks of rows: the gate and up values and the
+    // products between them exist for one chunk at a time, so a layer of mostly heavy rows stays under
+    // dense PyTorch's memory (every row's values are its own: the chunking changes no result).
+    at::Tensor hh = at::empty({n_heavy, H}, xh.options()), duh = at::empty_like(hh), dgh = at::empty_like(hh);
+    const at::Tensor zero = at::zeros({}, xh.options());
+    for (int64_t r0 = 0; r0 < n_heavy; r0 += kHeavyChunkRows) {
+      const int64_t n = std::min(kHeavyChunkRows, n_heavy - r0);
+      const at::Tensor xc = xh.narrow(0, r0, n);
+      const at::Tensor gc = at::mm(xc, w_gate.t()), uc = at::mm(xc, w_up.t());
+      const at::Tensor gr = at::relu(gc);
+      at::Tensor hc = hh.narrow(0, r0, n), duc = duh.narrow(0, r0, n), dgc = dgh.narrow(0, r0, n);
+      at::mul_out(hc, gr, uc);
+      at::Tensor ds = at::mm(dyh.narrow(0, r0, n), w_down);
+      if (l1_grad.has_value()) ds = ds + (at::sign(hc.to(at::kFloat)) * *l1_grad).to(ds.scalar_type());
+      at::mul_out(duc, ds, gr);
+      dgc.copy_(at::where(gc.gt(0), ds * uc, zero));
+    }
     dx.index_copy_(0, rows, at::mm(duh, w_up) + at::mm(dgh, w_gate));
     pd = at::mm(hh.t(), dyh);
     pu = at::mm(duh.t(), xh);
@@ -371,7 +388,7 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
   auto row = [](const at::Tensor& t, int64_t i, int64_t n) { return t.select(0, i).narrow(0, 0, n); };
   auto w = train_columns(ent, row(items, 0, n_items), row(items, 1, n_items), row(items, 2, n_items),
                          row(items, 3, n_items), row(longs, 0, n_long), row(longs, 1, n_long), row(longs, 2, n_long),
-                         n_part, h, b[1], b[2], x, d_out, pd, pu, pg, H, slots);
+                         n_part, h, b[1], b[2], x, d_out, pd, pu, pg, H, slots, column_parts);
   return {dx, w[2], w[1], transpose_bf16(w[0])};
 }
 }  // namespace twell::bind

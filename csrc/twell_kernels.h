@@ -148,12 +148,14 @@ struct TrainColumns {
   void *d_down_t, *d_up, *d_gate;
   float* partial;
   int D, slots;
+  int parts;  // slices of D, train_column_parts(M, D, forced)
 };
 cudaError_t launch_train_compact(const void* g, int M, int H, int slots, int* idx, void* val, int* nnz,
                                  uint8_t* neuron_active, cudaStream_t stream);
 cudaError_t launch_train_rows_forward(const TrainRows& a, cudaStream_t stream);
 cudaError_t launch_train_rows_backward(const TrainRows& a, cudaStream_t stream);
 cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream);
+int train_column_parts(int M, int D, int forced);
 // The weight-gradient work list: entries per neuron (fill = false: counts; true: positions from
 // cursor), sorted within each neuron (temp null: *temp_bytes gets the size), items and long neurons.
 cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, int slots, int* counts, int* cursor,

@@ -336,9 +336,11 @@ __global__ void __launch_bounds__(256) columns_kernel(
     const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ heavy_down,
     const __nv_bfloat16* __restrict__ heavy_up, const __nv_bfloat16* __restrict__ heavy_gate,
     __nv_bfloat16* __restrict__ d_down_t, __nv_bfloat16* __restrict__ d_up, __nv_bfloat16* __restrict__ d_gate,
-    float* __restrict__ partial, int D, int slots) {
-  const int item = blockIdx.x, t = threadIdx.x, col = t * 8;
-  if (col >= D) return;
+    float* __restrict__ partial, int D, int slots, int part_cols) {
+  // blockIdx.y picks a slice of D: the grid runs every item of slice 0 before slice 1, so the rows
+  // of x and dy that the resident blocks gather (part_cols columns of each) stay in L2.
+  const int item = blockIdx.x, t = threadIdx.x, col = blockIdx.y * part_cols + t * 8;
+  if (t * 8 >= part_cols || col >= D) return;
   const int lo = item_lo[item], hi = item_hi[item];
   float ad[8], au[8], ag[8];
 #pragma unroll
@@ -417,9 +419,9 @@ __global__ void __launch_bounds__(256) columns_reduce_kernel(
     const float* __restrict__ partial, const __nv_bfloat16* __restrict__ heavy_down,
     const __nv_bfloat16* __restrict__ heavy_up, const __nv_bfloat16* __restrict__ heavy_gate,
     __nv_bfloat16* __restrict__ d_down_t, __nv_bfloat16* __restrict__ d_up, __nv_bfloat16* __restrict__ d_gate,
-    int D) {
-  const int i = blockIdx.x, col = threadIdx.x * 8;
-  if (col >= D) return;
+    int D, int part_cols) {
+  const int i = blockIdx.x, col = blockIdx.y * part_cols + threadIdx.x * 8;
+  if (threadIdx.x * 8 >= part_cols || col >= D) return;
   float a[3][8];
 #pragma unroll
   for (int r = 0; r < 3; ++r)
@@ -734,25 +736,45 @@ cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, 
   return cudaGetLastError();
 }
 
+// Slices of D for the weight-gradient kernel: the fewest (a power of two, at least 256 columns each)
+// whose gathered columns of x and dy, 2 * M * D / parts bf16 values, fit in half of the L2.
+// forced > 0 sets the count (the benchmark's sweep, the tests).
+int train_column_parts(int M, int D, int forced) {
+  int parts = 1;
+  if (forced > 0) {
+    parts = forced;
+  } else {
+    int dev = 0, l2 = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
+      l2 = 0;
+    const int64_t bytes = int64_t(M) * D * 2 * 2;
+    while (l2 > 0 && bytes / parts > l2 / 2 && D / (parts * 2) >= 256) parts *= 2;
+  }
+  return std::max(1, std::min(parts, (D + 7) / 8));
+}
+
 cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream) {
-  const int threads = ((a.D / 8 + 31) / 32) * 32;
+  const int parts = a.parts > 0 ? a.parts : 1;
+  const int part_cols = ((a.D / 8 + parts - 1) / parts) * 8;
+  const int threads = ((part_cols / 8 + 31) / 32) * 32;
   if (a.n_items > 0) {
-    columns_kernel<<<a.n_items, threads, 0, stream>>>(
+    columns_kernel<<<dim3(a.n_items, parts), threads, 0, stream>>>(
         a.ent, a.item_col, a.item_lo, a.item_hi, a.item_part, static_cast<const __nv_bfloat16*>(a.h),
         static_cast<const __nv_bfloat16*>(a.du), static_cast<const __nv_bfloat16*>(a.dg),
         static_cast<const __nv_bfloat16*>(a.x), static_cast<const __nv_bfloat16*>(a.dy),
         static_cast<const __nv_bfloat16*>(a.heavy_down), static_cast<const __nv_bfloat16*>(a.heavy_up),
         static_cast<const __nv_bfloat16*>(a.heavy_gate), static_cast<__nv_bfloat16*>(a.d_down_t),
-        static_cast<__nv_bfloat16*>(a.d_up), static_cast<__nv_bfloat16*>(a.d_gate), a.partial, a.D, a.slots);
+        static_cast<__nv_bfloat16*>(a.d_up), static_cast<__nv_bfloat16*>(a.d_gate), a.partial, a.D, a.slots,
+        part_cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   if (a.n_long > 0) {
-    columns_reduce_kernel<<<a.n_long, threads, 0, stream>>>(
+    columns_reduce_kernel<<<dim3(a.n_long, parts), threads, 0, stream>>>(
         a.long_col, a.long_part_lo, a.long_part_n, a.partial, static_cast<const __nv_bfloat16*>(a.heavy_down),
         static_cast<const __nv_bfloat16*>(a.heavy_up), static_cast<const __nv_bfloat16*>(a.heavy_gate),
         static_cast<__nv_bfloat16*>(a.d_down_t), static_cast<__nv_bfloat16*>(a.d_up),
-        static_cast<__nv_bfloat16*>(a.d_gate), a.D);
+        static_cast<__nv_bfloat16*>(a.d_gate), a.D, part_cols);
     return cudaGetLastError();
   }
   return cudaSuccess;

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.two_gpu, pytest.mark.skipif(
 def _gpu_cfg(data):
     """A 2-layer model of width 256 (head dim 64), bf16 with FSDP2's mixed precision, 2 micro-batches per rank."""
     cfg = tiny_cfg(data, steps=20, seq_len=64, global_batch=16, micro_batch=4, precision="bf16", device="cuda",
-                   eval_every=10, eval_tokens=4096, export_dtype="bf16")
+                   eval_every=10, eval_tokens=4096, export_dtype="bf16", compile=False)
     cfg["model"].update(hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=4,
                         max_position_embeddings=128)
     return cfg

@@ -27,7 +27,7 @@ def _cfg(data, sparse: str, steps: int = 200):
             "train": {"steps": steps, "seq_len": 64, "global_batch": 16, "micro_batch": 8, "precision": "bf16",
                       "device": "cuda", "eval_every": steps, "eval_tokens": 2048, "ckpt_every": steps,
                       "export_dtype": None, "progress": False, "sparse_kernels": sparse, "sparse_max_active": 1.0,
-                      "sparse_min_tokens": 0},
+                      "sparse_min_tokens": 0, "compile": False},
             "optim": {"lr": 3e-3, "warmup_steps": 20},
             "sparsity": {"l1_coef": 3e-3, "positions_every": 50}}
 
@@ -88,3 +88,20 @@ def test_compiled_layers_have_no_graph_break(tmp_path, data):
     m = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
     assert len(m["train"]) == 4 and all(r["ce"] == r["ce"] for r in m["train"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_defaults_time_the_threshold_and_route_by_it(tmp_path, data):
+    """train.sparse_max_active auto (the default) times the op against dense at the run's rows per forward
+    before the first step: the run logs the timings, and its backend routes by the threshold they give."""
+    cfg = _cfg(data, "auto", steps=3)
+    for k in ("sparse_max_active", "compile"):
+        del cfg["train"][k]
+    cfg["train"]["sparse_min_tokens"] = 512  # the run's forwards: 8 x 64 rows
+    out = tmp_path / "timed"
+    run(cfg, out=out)
+    m = read_metrics(out / "metrics.jsonl")
+    cal = next(e for e in m["event"] if e["event"] == "ffn-calibration")
+    assert cal["rows"] == 512 and cal["compiled_dense"] is True and cal["points"]
+    assert all(p["speedup"] > 1 for p in cal["points"] if p["active"] <= cal["max_active"])
+    start = next(r for r in m["event"] if r["event"] == "start")
+    assert f"max_active={cal['max_active']}" in start["describe"], start["describe"]

@@ -65,7 +65,8 @@ def main():
              "rows_bwd": med(lambda: ext.train_rows_backward(dy, idx, val, u, h, cnt, wdt, wu, wg, l1g, S)),
              "work_items": med(lambda: ext.train_worklist(idx, cnt, 5632, S, kt.COLUMN_CHUNK)),
              "transpose": med(lambda: ext.transpose_bf16(wd)),
-             "columns": med(lambda: ext.train_columns(*cols, h, du, dg, x, dy, None, None, None, 5632, S))}
+             "columns": med(lambda: ext.train_columns(*cols, h, du, dg, x, dy, None, None, None, 5632, S,
+                                                              kt.COLUMN_PARTS))}
         leaves = [t.detach().clone().requires_grad_(True) for t in (x, wg, wu, wd)]
 
         coef = torch.tensor(2e-5, device="cuda")  # made once: a host-to-device copy waits for the stream

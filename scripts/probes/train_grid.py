@@ -6,6 +6,7 @@ dense (twell.bench.ffn.dense_train_ffn) and twell.kernels.training.train_gated_f
 and torch.autograd.grad of (out, l1), alternating (CUDA events, L2 flushed, median of 20). JSON to
 $OUT/train_grid.json; the table prints last.
 Usage (GPU machine): PYTHONPATH=src python scripts/probes/train_grid.py [rows,...] [nnz,...]
+(TWELL_TRAIN_COLUMN_PARTS=N: the weight-gradient kernel in N slices of D; default from the L2 size)
 """
 import json
 import math
@@ -17,7 +18,11 @@ import torch
 from twell.bench.ffn import L1_COEF, dense_train_ffn
 from twell.bench.generator import calibrated_ffn_inputs
 from twell.bench.timing import time_alternating
+from twell.kernels import training as ktrain
 from twell.kernels.training import train_gated_ffn
+
+# the weight-gradient kernel's slices of D (0: from the L2 size), for a sweep
+ktrain.COLUMN_PARTS = int(os.environ.get("TWELL_TRAIN_COLUMN_PARTS", "0"))
 
 D, H, BASE = 2048, 5632, 16384
 
@@ -54,7 +59,8 @@ def main(rows=(2048, 4096, 8192, 16384, 32768), nnzs=(8, 16, 29, 48, 64)):
         del inp, ws
         torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "train_grid.json"), "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(), "D": D, "H": H, "tail": 0.1, "results": results}, fh,
+        json.dump({"device": torch.cuda.get_device_name(), "D": D, "H": H, "tail": 0.1,
+                   "column_parts": ktrain.COLUMN_PARTS, "results": results}, fh,
                   indent=1)
     print(f"{'nnz':>5} {'rows':>6} {'dense ms':>9} {'kernel ms':>9} {'speed-up':>8}")
     for r in results:

@@ -17,8 +17,11 @@ def _coerce(value: Any, type_str: str, where: str) -> Any:
             return None
         raise ValueError(f"{where} must not be null (expected {type_str})")
     base = [t.strip() for t in type_str.split("|") if t.strip() != "None"]
+    named = "str" in base and isinstance(value, str)  # a union with str ("bool | str"): a name such as "auto"
     if "bool" in base:
         if isinstance(value, bool):
+            return value
+        if named:
             return value
         raise ValueError(f"{where} must be true or false, got {value!r}")
     if "int" in base and "float" not in base:
@@ -44,6 +47,8 @@ def _coerce(value: Any, type_str: str, where: str) -> Any:
         try:
             return float(value)
         except (TypeError, ValueError):
+            if named:
+                return value
             raise ValueError(f"{where} must be a number, got {value!r}") from None
     if "str" in base:
         if isinstance(value, str):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from twell.bench.ffn import SHAPES, SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report, write_outputs
+from twell.bench.ffn import (DEFAULT_CASES, SHAPES, SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report,
+                             write_outputs)
 from twell.cli import (check_args, check_checkpoint_files, check_kernels, check_output_dir, check_output_file, fail,
                        non_negative_int, positive_float, positive_int, torch_device)
 from twell.paths import SMOKE_PROFILE, reports_root
@@ -124,7 +125,7 @@ def _ffn_arguments(f: argparse.ArgumentParser) -> None:
     f.add_argument("--shapes", choices=SHAPES, default="all",
                    help="inference (includes the odd correctness shape and, with --checkpoint, the real cases), "
                         "odd, train, real (the checkpoint's layers only), or all (default)")
-    f.add_argument("--cases", nargs="+", choices=list(SPARSITY), default=list(SPARSITY),
+    f.add_argument("--cases", nargs="+", choices=list(SPARSITY), default=list(DEFAULT_CASES),
                    help="sparsity cases (nnz target, tail): " + ", ".join(f"{k}={v}" for k, v in SPARSITY.items()))
     f.add_argument("--M", nargs="+", type=positive_int, help="inference token counts")
     f.add_argument("--D", type=positive_int, help="hidden size")

@@ -63,6 +63,9 @@ class ModelBenchConfig:
     train_batch: int = 8                         # sequences per training step (0: no training rows)
     train_steps: int = 5                         # timed steps per side (after 2 untimed)
     train_compile: bool = False                  # training rows with each decoder layer compiled (both sides)
+    # the sparse side's training threshold (a fraction of H); None: timed as python -m twell.train's default does
+    # (twell.train.calibration, on a GPU at forwards of at least the row floor; the fixed default elsewhere)
+    train_max_active: Optional[float] = None
     l1_coef: float = 2e-5
     reps: int = 10
     warmup: int = 2
@@ -388,8 +391,26 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return float(np.median(times))
 
 
+def _threshold(model, rows: int, device: torch.device, compiled: bool, max_active: Optional[float]):
+    """(max_active, source, calibration record or None) of the sparse side's SparseTraining."""
+    from twell.nn.sparse_training import MAX_ACTIVE, MIN_ROWS
+
+    if max_active is not None:
+        return max_active, "set", None
+    if device.type != "cuda" or rows < MIN_ROWS:
+        return MAX_ACTIVE, "set", None
+    from twell import kernels
+    from twell.train.calibration import calibrate
+
+    if not kernels.available()[0]:
+        return MAX_ACTIVE, "set", None
+    mc = model.config
+    cal = calibrate(int(mc.hidden_size), int(mc.intermediate_size), rows, device, compiled_dense=compiled)
+    return cal.max_active, "timed", cal.as_dict()
+
+
 def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
-                 device: torch.device, compile_layers: bool = False) -> dict:
+                 device: torch.device, compile_layers: bool = False, max_active: Optional[float] = None) -> dict:
     """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched);
     ``compile_layers``: each decoder layer compiled after the routes are set (compiled in the untimed steps)."""
     from twell.model import set_tracking, sparse_ffns
@@ -407,9 +428,11 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         p.requires_grad_(True)
     set_tracking(m, True)
     ffns = sparse_ffns(m)
-    routes = None
+    routes = calibration = None
     if sparse:
-        backend = use_sparse_training(m, SparseTraining())
+        rows = ids.shape[0] * (ids.shape[1] - 1)
+        max_active, source, calibration = _threshold(m, rows, device, compile_layers, max_active)
+        backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source))
         with torch.no_grad():  # the routes from the activity on these tokens
             m(input_ids=ids, use_cache=False)
         backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
@@ -442,8 +465,13 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
                      + (f" ({', '.join(sorted(counters['graph_break']))[:300]})" if breaks else ""))
     del m, opt
     tokens = ids.shape[0] * (ids.shape[1] - 1)
-    return {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,
-            "notes": notes}
+    if sparse:
+        notes.append(f"threshold {100 * max_active:.2f}% of H ({source})")
+    out = {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,
+           "notes": notes}
+    if calibration is not None:
+        out["calibration"] = calibration
+    return out
 
 
 def run_model_bench(cfg: ModelBenchConfig, progress: bool = True, allow_dirty: bool = False) -> dict:
@@ -528,7 +556,7 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True, allow_dirty: b
                "seq": seq, "tokens": cfg.train_batch * seq}
         for side, m in models.items():
             row[side] = _train_steps(m, x, cfg.train_steps, cfg.warmup, cfg.l1_coef, side == "sparse", device,
-                                     compile_layers=cfg.train_compile)
+                                     compile_layers=cfg.train_compile, max_active=cfg.train_max_active)
         row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
         rows.append(row)
         bar.update(1)

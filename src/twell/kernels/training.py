@@ -34,6 +34,10 @@ from twell.reference.training import TRAIN_MAX_D, TRAIN_SLOTS, check_train_args
 # Entries of one work item of the weight-gradient kernel: a neuron active on more rows is split in
 # chunks of this many rows, summed in chunk order (bounds one block's work; fp32 partials).
 COLUMN_CHUNK = 512
+# Slices of D the weight-gradient kernel walks one after another, so that the rows of x and dy it gathers
+# stay in L2; 0: the fewest whose columns of x and dy fit in half of the L2 (csrc/twell_train.cu). A setting
+# for measurements and tests, read at each backward.
+COLUMN_PARTS = 0
 
 
 def _train_fwd_eager(x, w_gate, w_up, w_down, slots, sizes_host=None):
@@ -70,16 +74,16 @@ def _(x, w_gate, w_up, w_down, slots):
 @torch.library.custom_op("twell::train_ffn_bwd", mutates_args=())
 def _train_bwd(d_out: Tensor, l1_grad: Optional[Tensor], x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                w_down_t: Tensor, idx: Tensor, val: Tensor, u: Tensor, h: Tensor, nnz: Tensor, heavy: Tensor,
-               ent: Tensor, items: Tensor, longs: Tensor, sizes: Tensor, slots: int
+               ent: Tensor, items: Tensor, longs: Tensor, sizes: Tensor, slots: int, column_parts: int
                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dx, d_gate, d_up, d_down = _train_bwd_eager(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h,
-                                                nnz, heavy, ent, items, longs, sizes, slots)
+                                                nnz, heavy, ent, items, longs, sizes, slots, column_parts)
     return dx, d_gate, d_up, d_down
 
 
 @_train_bwd.register_fake
 def _(d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h, nnz, heavy, ent, items, longs, sizes,
-      slots):
+      slots, column_parts):
     return (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down))
 
 
@@ -115,14 +119,14 @@ class _TrainGatedFFN(torch.autograd.Function):
         d_out = d_out.contiguous()
         args = (d_out, l1_grad, x, w_gate, w_up, w_down, w_down_t, idx, val, u, h, nnz, heavy, ent, items, longs)
         if torch.compiler.is_compiling() or ctx.sizes_host is None:
-            dx, d_gate, d_up, d_down = _train_bwd(*args, sizes, ctx.slots)
+            dx, d_gate, d_up, d_down = _train_bwd(*args, sizes, ctx.slots, COLUMN_PARTS)
         else:
             # The light rows' kernel needs no sizes: queued before the wait, it keeps the GPU busy while
             # the host waits for the forward's end and then queues the rest.
             rows_done = load().train_rows_backward(d_out, idx, val, u, h, nnz, w_down_t, w_up, w_gate, l1_grad,
                                                    ctx.slots)
             ctx.sizes_ready.synchronize()
-            dx, d_gate, d_up, d_down = _train_bwd_eager(*args, ctx.sizes_host, ctx.slots, rows_done)
+            dx, d_gate, d_up, d_down = _train_bwd_eager(*args, ctx.sizes_host, ctx.slots, COLUMN_PARTS, rows_done)
         return dx, d_gate, d_up, d_down, None
 
 

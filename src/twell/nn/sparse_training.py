@@ -66,7 +66,8 @@ class SparseTraining:
     plans and runs one call."""
 
     def __init__(self, slots: int = TRAIN_SLOTS, max_active: float = MAX_ACTIVE, impl: str = "kernel",
-                 start: str = "dense", smoothing: float = 0.9, strict: bool = False, min_rows: int = MIN_ROWS):
+                 start: str = "dense", smoothing: float = 0.9, strict: bool = False, min_rows: int = MIN_ROWS,
+                 threshold_source: str = "set"):
         if impl not in ("kernel", "reference"):
             raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
         if not 0.0 <= max_active <= 1.0:
@@ -84,6 +85,7 @@ class SparseTraining:
         self.start = start
         self.strict = strict
         self.min_rows = min_rows
+        self.threshold_source = threshold_source  # where max_active came from ("set", "timed", ...), for the reasons
 
     def __repr__(self) -> str:
         return (f"SparseTraining(impl={self.impl!r}, slots={self.slots}, max_active={self.max_active}, "
@@ -105,7 +107,8 @@ class SparseTraining:
 
     def _why(self, st: LayerTraining) -> str:
         rel = "<=" if st.activity <= self.max_active else ">"
-        return (f"{pct(st.activity)} active per token {rel} {pct(self.max_active)} when the route was set"
+        src = "" if self.threshold_source == "set" else f" ({self.threshold_source})"
+        return (f"{pct(st.activity)} active per token {rel} {pct(self.max_active)}{src} when the route was set"
                 + (" (within the band up to 1.25x: kept)" if st.route == "sparse" and rel == ">" else ""))
 
     def plan(self, ffn, x: torch.Tensor) -> Route:

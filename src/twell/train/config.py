@@ -69,13 +69,18 @@ class TrainConfig:
     max_wall_seconds: float | None = None  # stop cleanly (checkpoint + export) before this many seconds
     stop_at_unix: float | None = None  # ... or before this absolute time (time.time())
     wall_reserve_s: float = 20.0  # seconds kept free before a wall-clock limit for the final save
-    compile: bool = False  # torch.compile each decoder layer
+    # torch.compile each decoder layer; auto: on a GPU (it shortened a 0.5B step by about a third, dense
+    # and sparse alike, docs/training_kernels.md), not on a CPU
+    compile: bool | str = "auto"
     activation_checkpointing: bool = False
     # The sparse training kernels (twell.nn.sparse_training): auto = used for a ReLU-gated model with
     # L1 > 0 on a GPU where the kernels build; always = required (an error where they cannot run);
     # never. (Not on/off: YAML reads those as booleans.)
     sparse_kernels: str = "auto"
-    sparse_max_active: float = 0.008  # a layer trains sparse at or below this active fraction (smoothed over steps)
+    # a layer trains sparse at or below this active fraction (smoothed over steps); auto: the largest activity
+    # at which the training op is measured faster than dense at this run's shape, timed before the first step
+    # (twell.train.calibration)
+    sparse_max_active: float | str = "auto"
     # ... and on forwards of at least this many tokens (micro_batch x seq_len): fewer train faster dense
     # (docs/routing.md, "Training")
     sparse_min_tokens: int = 8192
@@ -163,8 +168,13 @@ class RunConfig:
             raise ValueError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
         if t.sparse_kernels not in ("auto", "always", "never"):
             raise ValueError(f"train.sparse_kernels must be auto, always or never, got {t.sparse_kernels!r}")
-        if not 0 <= t.sparse_max_active <= 1:
-            raise ValueError(f"train.sparse_max_active is a fraction in [0, 1], got {t.sparse_max_active}")
+        if t.compile not in (True, False, "auto"):
+            raise ValueError(f"train.compile must be true, false or auto, got {t.compile!r}")
+        if isinstance(t.sparse_max_active, str):
+            if t.sparse_max_active != "auto":
+                raise ValueError(f"train.sparse_max_active is a fraction in [0, 1] or auto, got {t.sparse_max_active!r}")
+        elif not 0 <= t.sparse_max_active <= 1:
+            raise ValueError(f"train.sparse_max_active is a fraction in [0, 1] or auto, got {t.sparse_max_active}")
         if isinstance(t.sparse_min_tokens, bool) or not isinstance(t.sparse_min_tokens, int) or t.sparse_min_tokens < 0:
             raise ValueError(f"train.sparse_min_tokens must be an integer >= 0, got {t.sparse_min_tokens!r}")
         if t.export_dtype not in (None, "bf16", "fp32"):

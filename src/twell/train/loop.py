@@ -101,10 +101,12 @@ class Trainer:
         model = build_model(cfg.model).to(dev)
         self.params = count_parameters(model)
         set_tracking(model, True)
+        self.compile = t.compile is True or (t.compile == "auto" and dev.type == "cuda")
+        self.calibration = None  # twell.train.calibration.Calibration when sparse_max_active is auto and timed
         self.sparse_training, self.sparse_note = self._sparse_training(model)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
-        if t.compile:
+        if self.compile:
             apply_compile(model)
         self.fsdp = self.info.distributed
         if self.fsdp:
@@ -125,6 +127,8 @@ class Trainer:
         self.tracker = SparsityTracker(cfg.model.num_layers, cfg.model.intermediate_size, t.seq_len,
                                        window_tokens=window, device=dev, position_bins=s.position_bins)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.main)
+        if self.calibration is not None:
+            self.metrics.write({"kind": "event", "step": 0, "event": "ffn-calibration", **self.calibration.as_dict()})
         self.ckpt = CheckpointManager(self.out / "ckpt", self.info, keep=t.keep_checkpoints)
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier (resumed-from) processes
@@ -162,11 +166,36 @@ class Trainer:
             return None, why
         from twell.nn.sparse_training import SparseTraining, use_sparse_training
 
-        m = cfg.train.sparse_max_active
+        m, source = cfg.train.sparse_max_active, "set"
+        if m == "auto":
+            m, source = self._timed_max_active(model)
         # max_active 1 admits any activity: sparse from the first step, before any is measured
         backend = SparseTraining(max_active=m, start="sparse" if m >= 1 else "dense", strict=mode == "always",
-                                 min_rows=cfg.train.sparse_min_tokens)
+                                 min_rows=cfg.train.sparse_min_tokens, threshold_source=source)
         return use_sparse_training(model, backend), ""
+
+    def _timed_max_active(self, model) -> tuple[float, str]:
+        """sparse_max_active auto: the threshold from timings of the training op against dense at this run's
+        rows per forward (rank 0's, on every rank), or the default where forwards are below the row floor
+        (they train dense whatever the threshold)."""
+        from twell.nn.sparse_training import MAX_ACTIVE
+
+        t, mc = self.cfg.train, self.cfg.model
+        rows = t.micro_batch * t.seq_len
+        if rows < t.sparse_min_tokens:
+            return MAX_ACTIVE, "default: forwards below the row floor train dense"
+        cal = None
+        if self.main:
+            from twell.train.calibration import calibrate
+
+            print(f"[twell.train] timing the training op against dense at {rows} rows (train.sparse_max_active "
+                  "auto) ...", flush=True)
+            cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
+                            compiled_dense=self.compile)
+            print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
+        cal = broadcast_object(cal, self.info)
+        self.calibration = cal
+        return cal.max_active, "timed"
 
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
         existing = [p for p in ("ckpt", "metrics.jsonl") if (self.out / p).exists()]
@@ -514,7 +543,7 @@ class Trainer:
             f"val tokens; tokenizer {self.data.tokenizer_choice['kind']} {self.data.tokenizer_choice['name']} "
             f"(vocab {self.data.vocab_size})\n"
             f"  device {self.info.device} ({'FSDP2' if self.fsdp else 'single process'}), precision {t.precision}, "
-            f"compile={t.compile}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
+            f"compile={self.compile}{' (auto)' if t.compile == 'auto' else ''}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
             f"{self.sparse_training or 'no, ' + self.sparse_note}; out {self.out}"
         )
 

@@ -1,0 +1,118 @@
+"""The training route's activity threshold from timings: the training op against dense on this GPU.
+
+``train.sparse_max_active: auto`` (the default) measures, before the first step, forward + backward +
+L1 term of one FFN of the model's shape at the run's rows per forward, dense against the training op, on
+the calibrated generator (BENCHMARK.md) at a ladder of active neurons per row. The threshold is the
+largest measured activity at which the op was faster than dense *and at every lower point of the
+ladder*; a layer then trains sparse only at an activity the timings measured faster. Where no point is
+faster, the threshold is 0 and every layer trains dense, with that reason. With ``train.compile`` on,
+the dense side is the compiled expression, as the trainer's dense layers are compiled.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# Active neurons per row of the ladder (of the paper's 5632; scaled to the layer's H): around the
+# measured break-even at 16384 rows (near 49 of 5632, docs/training_kernels.md section 3).
+LADDER = (8, 16, 24, 32, 40, 48, 56, 64, 80)
+REF_H = 5632
+TAIL = 0.1
+
+
+@dataclass
+class Calibration:
+    """Timings of the training op against dense at one shape, and the threshold they give.
+
+    points: one per ladder step: ``nnz`` (target active per row), ``active`` (its fraction of H),
+            ``dense_ms``, ``sparse_ms``, ``speedup`` (dense / sparse)
+    max_active: the threshold (a fraction of H; 0: the op was faster nowhere)
+    """
+
+    rows: int
+    D: int
+    H: int
+    compiled_dense: bool
+    impl: str
+    points: list = field(default_factory=list)
+    max_active: float = 0.0
+    margin: float = 1.0
+
+    @property
+    def why(self) -> str:
+        ok = [p for p in self.points if p["active"] <= self.max_active]
+        base = f"{self.rows} rows, D {self.D}, H {self.H}, dense {'compiled' if self.compiled_dense else 'eager'}"
+        if not ok:
+            best = max(self.points, key=lambda p: p["speedup"]) if self.points else None
+            return (f"the training op was not faster than dense at any measured activity ({base}"
+                    + (f"; best {best['speedup']:.2f}x at {best['nnz']} active" if best else "") + ")")
+        top = ok[-1]
+        return (f"the training op measured faster than dense up to {top['nnz']} active per row "
+                f"({100 * top['active']:.2f}%, {top['speedup']:.2f}x; {base})")
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "why": self.why}
+
+
+def choose_max_active(points: Sequence[dict], margin: float = 1.0) -> float:
+    """The largest ``active`` of ``points`` whose speed-up, and that of every point of lower activity,
+    exceeds ``margin`` (0 when the lowest point does not): the op is used only where it was measured
+    faster, never across a slower point."""
+    best = 0.0
+    for p in sorted(points, key=lambda p: p["active"]):
+        if not p["speedup"] > margin:
+            break
+        best = p["active"]
+    return best
+
+
+def calibrate(D: int, H: int, rows: int, device, *, compiled_dense: bool = False, impl: str = "kernel",
+              ladder: Sequence[int] = LADDER, reps: int = 10, warmup: int = 3, margin: float = 1.0, seed: int = 0,
+              progress: Optional[Callable[[dict], None]] = None) -> Calibration:
+    """Time dense against the training op (``impl``: "kernel" or "reference") at ``rows`` rows of a
+    D x H FFN, at each active count of ``ladder`` (scaled from H 5632 to H), and choose the threshold."""
+    from twell.bench.ffn import L1_COEF, dense_train_ffn
+    from twell.bench.generator import calibrated_ffn_inputs
+    from twell.timing import time_alternating
+
+    if impl == "kernel":
+        from twell.kernels.training import train_gated_ffn
+    elif impl == "reference":
+        from twell.reference.training import train_gated_ffn
+    else:
+        raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
+    if rows < 1 or D < 1 or H < 1:
+        raise ValueError(f"expected positive rows, D and H, got {rows}, {D}, {H}")
+    device = torch.device(device)
+    dense = torch.compile(dense_train_ffn) if compiled_dense else dense_train_ffn
+
+    def sparse(x, wg, wu, wd):
+        out, l1, _, _ = train_gated_ffn(x, wg, wu, wd)
+        return out, l1
+
+    cal = Calibration(rows=rows, D=D, H=H, compiled_dense=compiled_dense, impl=impl, margin=margin)
+    nnzs = sorted({max(1, min(H, round(n * H / REF_H))) for n in ladder})
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    grad_out = torch.randn(rows, D, generator=g).div_(math.sqrt(rows * D)).to(torch.bfloat16).to(device)
+    l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=device)
+    for nnz in nnzs:
+        inp = calibrated_ffn_inputs(rows, D, H, nnz, TAIL, seed=seed, device=device)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (inp.x, inp.w_gate, inp.w_up, inp.w_down)]
+
+        def step(fn):
+            out, l1 = fn(*leaves)
+            return torch.autograd.grad((out, l1), leaves, (grad_out, l1_grad.to(l1.dtype)))
+
+        t = time_alternating({"dense": lambda: step(dense), "sparse": lambda: step(sparse)}, device, reps=reps,
+                             warmup=warmup)
+        p = {"nnz": nnz, "active": nnz / H, "dense_ms": t["dense"].median_ms, "sparse_ms": t["sparse"].median_ms}
+        p["speedup"] = p["dense_ms"] / p["sparse_ms"]
+        cal.points.append(p)
+        if progress is not None:
+            progress(p)
+        del inp, leaves
+    cal.max_active = choose_max_active(cal.points, margin)
+    return cal
