@@ -24,11 +24,11 @@ kernels)
     stage build $PY -m twell.kernels.build --build
     [ -d "$PUBLISHED" ] && setsid nohup $PY -m twell.bench.published build "$PUBLISHED" > runs/published_build.log 2>&1 < /dev/null &
     stage tests $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_train_kernels.py tests/test_train_calibration.py tests/test_train_sparse_run.py}
-    for p in ${PARTS:-1 2 4 8}; do
-        TWELL_TRAIN_COLUMN_PARTS=$p OUT=$OUT/parts$p stage parts$p $PY scripts/probes/train_grid.py 16384 8,29,64
+    for p in ${PARTS-1 2 4 8}; do
+        stage parts$p env TWELL_TRAIN_COLUMN_PARTS=$p OUT="$OUT/parts$p" $PY scripts/probes/train_grid.py 16384 8,29,64
     done
     tail -3 "$OUT/tests.log"; grep -E "FAILED|Error" "$OUT/tests.log" | head -10
-    for p in ${PARTS:-1 2 4 8}; do echo "parts $p:"; tail -3 "$OUT/parts$p.log"; done
+    for p in ${PARTS-1 2 4 8}; do echo "parts $p:"; tail -3 "$OUT/parts$p.log"; done
     tail -2 runs/published_build.log
     ;;
 bench)
