@@ -319,7 +319,7 @@ std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_g
 }
 
 // Heavy rows per chunk of the backward's elementwise part (its temporaries: about 8 x rows x H bf16).
-constexpr int64_t kHeavyChunkRows = 2048;
+constexpr int64_t kHeavyChunkRows = 1024;
 
 // Its backward: dx, d_w_gate, d_w_up, d_w_down. The light rows' kernel needs none of sizes, so it is
 // queued before the host reads them and the GPU works while the host waits. rows_done: that kernel's
@@ -362,12 +362,18 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
   c10::optional<at::Tensor> pd, pu, pg;
   if (n_heavy > 0) {
     const at::Tensor rows = heavy.narrow(0, 0, n_heavy).to(at::kLong);
-    const at::Tensor xh = x.index_select(0, rows), dyh = d_out.index_select(0, rows);
+    // heavy rows are listed ascending: all of them heavy is every row in order, read in place
+    const bool all_heavy = n_heavy == x.size(0);
+    at::Tensor xh = all_heavy ? x : x.index_select(0, rows), dyh = all_heavy ? d_out : d_out.index_select(0, rows);
     // h, du and dg of the heavy rows, computed in chunks of rows: the gate and up values and the
     // products between them exist for one chunk at a time, so a layer of mostly heavy rows stays under
-    // dense PyTorch's memory (every row's values are its own: the chunking changes no result).
+    // dense PyTorch's memory (every row's values are its own; the GEMMs' sizes follow the chunks, which can
+    // change cuBLAS's choice of kernel and so last bits, deterministically for a given heavy-row count).
     at::Tensor hh = at::empty({n_heavy, H}, xh.options()), duh = at::empty_like(hh), dgh = at::empty_like(hh);
     const at::Tensor zero = at::zeros({}, xh.options());
+    // sign(h) * l1 rounded to bf16 is +-round(l1) or 0: the same values from a bf16 scalar, without fp32 temporaries
+    const c10::optional<at::Tensor> l1b =
+        l1_grad.has_value() ? c10::optional<at::Tensor>(l1_grad->to(xh.scalar_type()).reshape({})) : c10::nullopt;
     for (int64_t r0 = 0; r0 < n_heavy; r0 += kHeavyChunkRows) {
       const int64_t n = std::min(kHeavyChunkRows, n_heavy - r0);
       const at::Tensor xc = xh.narrow(0, r0, n);
@@ -376,13 +382,20 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
       at::Tensor hc = hh.narrow(0, r0, n), duc = duh.narrow(0, r0, n), dgc = dgh.narrow(0, r0, n);
       at::mul_out(hc, gr, uc);
       at::Tensor ds = at::mm(dyh.narrow(0, r0, n), w_down);
-      if (l1_grad.has_value()) ds = ds + (at::sign(hc.to(at::kFloat)) * *l1_grad).to(ds.scalar_type());
+      if (l1b.has_value()) ds.add_(at::sign(hc) * *l1b);
       at::mul_out(duc, ds, gr);
       dgc.copy_(at::where(gc.gt(0), ds * uc, zero));
     }
-    dx.index_copy_(0, rows, at::mm(duh, w_up) + at::mm(dgh, w_gate));
+    // each product as soon as its operands are complete, each operand freed after its last use
     pd = at::mm(hh.t(), dyh);
+    hh.reset();
+    dyh.reset();
+    at::Tensor dxh = all_heavy ? at::mm_out(dx, duh, w_up) : at::mm(duh, w_up);
+    dxh.add_(at::mm(dgh, w_gate));
+    if (!all_heavy) dx.index_copy_(0, rows, dxh);
+    dxh.reset();
     pu = at::mm(duh.t(), xh);
+    duh.reset();
     pg = at::mm(dgh.t(), xh);
   }
   auto row = [](const at::Tensor& t, int64_t i, int64_t n) { return t.select(0, i).narrow(0, 0, n); };

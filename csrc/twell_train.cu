@@ -745,8 +745,10 @@ int train_column_parts(int M, int D, int forced) {
     parts = forced;
   } else {
     int dev = 0, l2 = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess)
-      l2 = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+      l2 = 0;  // one slice; and clear the error, or the launch check after would report it
+      (void)cudaGetLastError();
+    }
     const int64_t bytes = int64_t(M) * D * 2 * 2;
     while (l2 > 0 && bytes / parts > l2 / 2 && D / (parts * 2) >= 256) parts *= 2;
   }

@@ -389,3 +389,52 @@ def test_route_reasons_change_only_with_the_route():
         events += b.route_events([f]) is not None
     # step 1 (dense ran, sparse asked), step 2 (sparse ran), step 6 (dense asked), step 7 (dense ran)
     assert b.route(f) == "dense" and events == 4
+
+
+def test_compiled_auto_layers_share_graphs_whatever_their_measured_activity():
+    """Inference's "auto" under torch.compile, layers sharing one compiled forward (as compiled decoder
+    layers do): each layer's measured activity, read in traced code, was a guard, so every layer got its own
+    graph and past dynamo's recompile limit (8) the rest ran eager. Planning now reads the activity's class
+    (the thresholds it falls between), so the layers share a graph per class; outputs stay eager's."""
+    from torch._dynamo.utils import counters
+
+    from twell.nn.ffn import COMPILED_NOTE
+
+    torch._dynamo.reset()
+    counters.clear()
+    fs = []
+    for i in range(10):
+        f = _layer(seed=i)
+        f.path, f.track = "auto", True
+        f._set_activity(0.0002 * (i + 1) + (0.05 if i % 3 == 0 else 0.0))  # ten activities, two classes + dense
+        fs.append(f)
+    classes = {f._auto_stable for f in fs}
+    assert len(classes) <= 4
+    x = torch.randn(8, 64, dtype=BF)
+    with torch.no_grad():
+        want = [f(x) for f in fs]
+        got = [torch.compile(f, backend="eager")(x) for f in fs]
+    assert counters["stats"]["unique_graphs"] <= len(classes), dict(counters["stats"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(f.auto_note != COMPILED_NOTE for f in fs)
+    # a threshold set later makes the class again (its setter), so compiled planning follows it
+    fs[0].auto_max_active = 0.5
+    assert fs[0]._auto_stable[0][0] == 0.5 and fs[0]._build_state(compiled=True).activity == 0.5
+    # a class made for other settings is not used: planning reads the exact values (correct, not shared)
+    fs[1]._auto_stable = ((0.2, (), 16, True), *fs[1]._auto_stable[1:])
+    assert fs[1]._build_state(compiled=True).activity == fs[1]._activity
+
+
+def test_the_activity_class_answers_every_threshold_as_the_activity_does():
+    f = _layer()
+    f.path = "auto"
+    ts = sorted({min(c, f.auto_max_active) for _, c in f.auto_ceilings} | {f.auto_max_active})
+    for a in [0.0, 1e-5, *ts, *(t * 1.0001 for t in ts), 0.3, 1.0]:
+        f._set_activity(a)
+        cls = f._auto_stable[1]
+        assert all((a > t) == (cls > t) for t in ts), (a, cls)
+        state = f._build_state(compiled=True)
+        assert state.activity == cls and state.decode_max_rows == (f.decode_max_rows() if f._auto_dense else 0)
+    f.reset_auto()
+    assert f._auto_stable[1] is None and f._build_state(compiled=True).activity is None

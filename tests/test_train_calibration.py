@@ -76,3 +76,26 @@ def test_timed_threshold_on_the_gpu_picks_no_point_measured_slower():
     # at 8 of 5632 the op measured 2.6-3.5x dense at these rows (docs/routing.md), at 160 far slower
     assert cal.max_active >= 8 / 5632
     assert cal.points[-1]["speedup"] < 1 and cal.max_active < 160 / 5632
+
+
+def test_the_band_that_keeps_a_layer_sparse_ends_short_of_the_first_slower_point():
+    from twell.train.calibration import Calibration
+
+    cal = Calibration(rows=1, D=1, H=1000, compiled_dense=False, impl="kernel", points=_pts(2.0, 1.5, 0.9, 0.8))
+    cal.max_active = choose_max_active(cal.points)
+    assert cal.max_active == pytest.approx(0.02) and cal.keep_max == pytest.approx(0.025)  # 1.25 x: short of 0.03
+    cal = Calibration(rows=1, D=1, H=1000, compiled_dense=False, impl="kernel",
+                      points=[{"nnz": n, "active": n / 1000, "speedup": s} for n, s in ((40, 1.2), (44, 0.9))])
+    cal.max_active = choose_max_active(cal.points)
+    assert cal.keep_max == pytest.approx(0.042) and cal.keep_max < 0.044  # halfway to the slower point
+    cal.points = [{"nnz": 40, "active": 0.04, "speedup": 1.2}]
+    assert cal.keep_max == pytest.approx(0.05)  # nothing slower measured above: the default band
+
+
+def test_sparse_training_keeps_its_band_and_checks_it():
+    from twell.nn.sparse_training import SparseTraining
+
+    assert SparseTraining(max_active=0.01).keep_max == pytest.approx(0.0125)
+    assert SparseTraining(max_active=0.01, keep_max=0.011).keep_max == 0.011
+    with pytest.raises(ValueError, match="keep_max"):
+        SparseTraining(max_active=0.01, keep_max=0.005)

@@ -397,3 +397,25 @@ def test_bf16_cuda_run(tmp_path, smoke_data, compile_layers):
     assert res.summary["device"] != "cpu"
     plain = LlamaForCausalLM.from_pretrained(res.hf_dir)
     assert plain.dtype == torch.bfloat16
+
+
+def test_the_calibration_event_and_the_records_after_it_survive_a_resume(tmp_path, smoke_data, monkeypatch):
+    """The timed threshold's ``ffn-calibration`` event is written after a resume has rewritten metrics.jsonl
+    up to its checkpoint: written before, it opened the file that the rewrite replaced, and every later record
+    went to the replaced file. (CPU: the timing itself is stood in for; on a GPU it runs.)"""
+    from twell.train import loop
+    from twell.train.calibration import Calibration
+
+    def fake(self, model):
+        self.calibration = Calibration(rows=128, D=48, H=96, compiled_dense=False, impl="kernel",
+                                       points=[{"nnz": 2, "active": 2 / 96, "dense_ms": 1.0, "sparse_ms": 0.5,
+                                                "speedup": 2.0}], max_active=2 / 96)
+        return None, "a stand-in for the timed threshold"
+
+    monkeypatch.setattr(loop.Trainer, "_sparse_training", fake)
+    out = tmp_path / "run"
+    run(_cfg(smoke_data, steps=4, ckpt_every=2, eval_every=4), out=out)
+    run(_cfg(smoke_data, steps=8, ckpt_every=2, eval_every=4), out=out, resume=True)
+    m = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in m["train"]] == list(range(1, 9))
+    assert [e["step"] for e in m["event"] if e["event"] == "ffn-calibration"] == [0, 4]

@@ -391,22 +391,23 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return float(np.median(times))
 
 
-def _threshold(model, rows: int, device: torch.device, compiled: bool, max_active: Optional[float]):
-    """(max_active, source, calibration record or None) of the sparse side's SparseTraining."""
+def _threshold(model, ffns, rows: int, device: torch.device, compiled: bool, max_active: Optional[float]):
+    """(max_active, source, keep_max, calibration record or None) of the sparse side's SparseTraining: timed
+    as the trainer times it, where the op can run the layers at these rows; the fixed default elsewhere."""
     from twell.nn.sparse_training import MAX_ACTIVE, MIN_ROWS
 
     if max_active is not None:
-        return max_active, "set", None
-    if device.type != "cuda" or rows < MIN_ROWS:
-        return MAX_ACTIVE, "set", None
+        return max_active, "set", None, None
+    if device.type != "cuda" or rows < MIN_ROWS or not ffns or ffns[0]._no_train_layer():
+        return MAX_ACTIVE, "set", None, None
     from twell import kernels
     from twell.train.calibration import calibrate
 
     if not kernels.available()[0]:
-        return MAX_ACTIVE, "set", None
+        return MAX_ACTIVE, "set", None, None
     mc = model.config
     cal = calibrate(int(mc.hidden_size), int(mc.intermediate_size), rows, device, compiled_dense=compiled)
-    return cal.max_active, "timed", cal.as_dict()
+    return cal.max_active, "timed", cal.keep_max, cal.as_dict()
 
 
 def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
@@ -414,7 +415,7 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched);
     ``compile_layers``: each decoder layer compiled after the routes are set (compiled in the untimed steps)."""
     from twell.model import set_tracking, sparse_ffns
-    from twell.nn.sparse_training import SparseTraining, use_sparse_training
+    from twell.nn.sparse_training import COMPILED_WHY, SparseTraining, use_sparse_training
     from twell.train.recipe import sparse_lm_loss
 
     # The compiled decoding steps cached on the model (decode-compiled-graph rows) cannot be copied.
@@ -431,8 +432,9 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     routes = calibration = None
     if sparse:
         rows = ids.shape[0] * (ids.shape[1] - 1)
-        max_active, source, calibration = _threshold(m, rows, device, compile_layers, max_active)
-        backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source))
+        max_active, source, keep, calibration = _threshold(m, ffns, rows, device, compile_layers, max_active)
+        backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source,
+                                                        keep_max=keep))
         with torch.no_grad():  # the routes from the activity on these tokens
             m(input_ids=ids, use_cache=False)
         backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
@@ -458,7 +460,10 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     peak = peak_memory_above_baseline(step, device)
     secs = _timed(step, device, steps)
     # why layers trained dense (the last step's Routes): too active, or a layer the training op cannot run
-    notes = sorted({f.last_route.reason for f in ffns if f.last_route is not None and f.last_route.op == "dense"})
+    # (a compiled call carries a fixed reason, COMPILED_WHY: each layer's own is in its training state)
+    notes = sorted({f.last_route.reason.replace(COMPILED_WHY, f.train_state.why) if f.train_state is not None
+                    else f.last_route.reason
+                    for f in ffns if f.last_route is not None and f.last_route.op == "dense"})
     if compile_layers:  # what the compiler did: a graph break or a fall-back to eager would show here
         breaks = sum(counters["graph_break"].values())
         notes.append(f"compiled: {counters['stats']['unique_graphs']} graphs, {breaks} graph breaks"

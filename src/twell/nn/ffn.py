@@ -91,6 +91,12 @@ DEFAULT_DENSE_ROWS = (DEFAULT_DECODE_ROWS + 1, 2047)
 # rows' expected union of active neurons, 1 - (1 - activity)^rows of H, stays at most this: the op reads every
 # gate weight and only the union's up and down rows (measured in docs/decoding.md).
 DECODE_MAX_UNION = 0.25
+# What compiled "auto" planning shows in place of a layer's measured activity and its note: compiled code
+# guards on every attribute it reads, so per-layer values gave each layer of a shared compiled forward its own
+# graph, and past dynamo's recompile limit (8) the rest ran eager. The decisions use a class of the activity
+# (_auto_stable) that layers share; auto_note keeps the layer's own note.
+COMPILED_ACTIVITY = "the measured share"
+COMPILED_NOTE = "auto: as the layer's measured activity decided (auto_note)"
 ACTIVATIONS = {"relu": F.relu, "silu": F.silu}
 # What a SparseFFN computes: ReLU and its gate variants FATReLU (a threshold on the gate) and dReLU (ReLU on the
 # up projection too), which the sparse paths run (twell.reference.gates), and SiLU, which runs dense.
@@ -237,6 +243,9 @@ class SparseFFN(nn.Module):
         self._w_down_t: Optional[torch.Tensor] = None
         # (weights' key, NaN row or None) of the last non-finite check (:meth:`nonfinite_row`).
         self._nonfinite: Optional[tuple] = None
+        # What compiled planning reads of the activity and its settings (_refresh_stable; the setters keep it)
+        self._auto_stable: Optional[tuple] = None
+        self._refresh_stable()
 
     # -- configuration ---------------------------------------------------------------------------
     @property
@@ -291,6 +300,18 @@ class SparseFFN(nn.Module):
                 raise ValueError(f"dense_rows must be None or (lo, hi) ints with 1 <= lo <= hi, got {value!r}")
             value = (int(value[0]), int(value[1]))
         self._dense_rows = value
+        self._changed()
+
+    @property
+    def auto_max_active(self) -> float:
+        """"auto" leaves the kernels for dense above this active fraction (at every row count)."""
+        return self._auto_max_active
+
+    @auto_max_active.setter
+    def auto_max_active(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"auto_max_active must be a fraction in [0, 1], got {value!r}")
+        self._auto_max_active = float(value)
         self._changed()
 
     @property
@@ -464,7 +485,7 @@ class SparseFFN(nn.Module):
         """What planning knows about this layer (:class:`twell.nn.routing.LayerState`), rebuilt when
         anything it depends on changed (eager code caches it; compiled code traces its build)."""
         if torch.compiler.is_compiling():
-            return self._build_state()
+            return self._build_state(compiled=True)
         return self._cached_state()[1]
 
     def _cached_state(self) -> tuple:
@@ -476,14 +497,24 @@ class SparseFFN(nn.Module):
             cached = self._state = (key, self._build_state(), {})
         return cached
 
-    def _build_state(self, training_only: bool = False) -> routing.LayerState:
+    def _build_state(self, training_only: bool = False, compiled: bool = False) -> routing.LayerState:
         """The LayerState of this layer; ``training_only``: "auto"'s per-layer settings and measurements,
-        which training planning does not read, left at neutral values (see :meth:`train_layer_state`)."""
+        which training planning does not read, left at neutral values (see :meth:`train_layer_state`);
+        ``compiled``: the activity as its class and the note as ``COMPILED_NOTE`` (see ``_refresh_stable``)."""
         ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
         b = self.train_backend
+        stable = self._auto_stable if compiled else None
+        if stable is not None and stable[0] != self._stable_key():
+            stable = None  # settings changed in compiled code since: read the exact values
         if training_only:
             auto = dict(decode_rows=0, dense_rows=None, auto_dense=None, timed=False, activity=None,
                         activity_text="", auto_max_active=0.0, ceilings=(), decode_max_rows=0, choice_note=None)
+        elif stable is not None:
+            auto = dict(decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
+                        timed=self._timed, activity=stable[1],
+                        activity_text=COMPILED_ACTIVITY if stable[1] is not None else "",
+                        auto_max_active=self.auto_max_active, ceilings=self.auto_ceilings,
+                        decode_max_rows=stable[2], choice_note=COMPILED_NOTE if stable[3] else None)
         else:
             auto = dict(decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
                         timed=self._timed, activity=self._activity, activity_text=self._activity_text,
@@ -510,6 +541,24 @@ class SparseFFN(nn.Module):
     def _changed(self) -> None:
         """A setter changed what planning reads: the next call rebuilds the LayerState."""
         self._state_gen += 1
+        if hasattr(self, "_auto_stable"):  # set up (the setters run in __init__ too)
+            self._refresh_stable()
+
+    def _stable_key(self) -> tuple:
+        return (self.auto_max_active, self.auto_ceilings, self.decode_rows, self.gated)
+
+    def _refresh_stable(self) -> None:
+        """``_auto_stable``: (the settings it was made for, the activity's class, decode_max_rows, whether a
+        note is set), for compiled planning. The class is the smallest threshold ("auto_max_active" and the
+        ceilings) at or above the activity, or 1.0 above them all: every comparison planning makes with a
+        threshold gives the same answer for it as for the activity, and layers in the same class share it."""
+        a = self._activity
+        if a is not None:
+            ts = sorted({min(c, self.auto_max_active) for _, c in self.auto_ceilings} | {self.auto_max_active})
+            a = next((t for t in ts if a <= t), 1.0 if ts[-1] < 1.0 else a)
+        # decode_max_rows matters to planning only on a layer "auto" runs dense
+        rows = self.decode_max_rows() if self._auto_dense else 0
+        self._auto_stable = (self._stable_key(), a, rows, self._activity_note is not None)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
         """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel", why)``,
@@ -528,7 +577,8 @@ class SparseFFN(nn.Module):
             return self.train_backend.plan(self, x)
         cast = routing.autocast_dtype(x) if grad or self.track else None
         if torch.compiler.is_compiling():  # traced once per guard set; a capture replays what was traced
-            return routing.plan(self._build_state(), x, grad_enabled=grad, compiling=True, autocast_dtype=cast)
+            return routing.plan(self._build_state(compiled=True), x, grad_enabled=grad, compiling=True,
+                                autocast_dtype=cast)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         _, state, routes = self._cached_state()
         key = (x.shape[-1], x.numel(), x.dtype, x.device, grad, capturing, cast)
@@ -552,8 +602,12 @@ class SparseFFN(nn.Module):
             # The optimizer step that follows may update W_down without bumping its version (fused
             # AdamW), so the cached transpose must be copied again before its next use.
             self.invalidate_cache()
-        elif self._path == "auto" and self.auto_note is not route.note:
-            self.auto_note = route.note
+        elif self._path == "auto":
+            if not torch.compiler.is_compiling():
+                if self.auto_note is not route.note:
+                    self.auto_note = route.note
+            elif route.note is not None and COMPILED_NOTE not in route.note and COMPILED_ACTIVITY not in route.note:
+                self.auto_note = route.note  # written, not read: reading it would guard on each layer's note
         op = route.op
         if op == "dense":
             return self._dense(x, measure=route.measure)

@@ -6,7 +6,8 @@ ReLU gate is still about half open, the sparse kernels would be slower than dens
 dense. :meth:`SparseTraining.update` takes each layer's mean active neurons per token of the last
 step, smooths it over steps (exponential average, weight ``1 - smoothing`` on the new value) and
 sets the route for the next step: sparse at or below ``max_active`` (a fraction of the layer's
-neurons), dense again only above ``1.25 * max_active`` (no flapping around the threshold).
+neurons), dense again only above ``keep_max`` (1.25 x ``max_active`` by default: no flapping around the
+threshold).
 The route changes between optimizer steps only, so an activation-checkpointed recompute always
 takes the route its forward took.
 
@@ -67,7 +68,7 @@ class SparseTraining:
 
     def __init__(self, slots: int = TRAIN_SLOTS, max_active: float = MAX_ACTIVE, impl: str = "kernel",
                  start: str = "dense", smoothing: float = 0.9, strict: bool = False, min_rows: int = MIN_ROWS,
-                 threshold_source: str = "set"):
+                 threshold_source: str = "set", keep_max: Optional[float] = None):
         if impl not in ("kernel", "reference"):
             raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
         if not 0.0 <= max_active <= 1.0:
@@ -80,6 +81,10 @@ class SparseTraining:
             raise ValueError(f"min_rows must be an integer >= 0, got {min_rows!r}")
         self.slots = slots
         self.max_active = max_active
+        # a sparse layer goes dense again above this (the band against flapping); default 1.25 x max_active
+        self.keep_max = 1.25 * max_active if keep_max is None else float(keep_max)
+        if not self.keep_max >= max_active:
+            raise ValueError(f"keep_max ({keep_max}) must be at least max_active ({max_active})")
         self.smoothing = smoothing
         self.impl = impl
         self.start = start
@@ -109,7 +114,8 @@ class SparseTraining:
         rel = "<=" if st.activity <= self.max_active else ">"
         src = "" if self.threshold_source == "set" else f" ({self.threshold_source})"
         return (f"{pct(st.activity)} active per token {rel} {pct(self.max_active)}{src} when the route was set"
-                + (" (within the band up to 1.25x: kept)" if st.route == "sparse" and rel == ">" else ""))
+                + (f" (within the band up to {pct(self.keep_max)}: kept)" if st.route == "sparse" and rel == ">"
+                   else ""))
 
     def plan(self, ffn, x: torch.Tensor) -> Route:
         """The Route of one training call of ``ffn`` on x (pure: changes nothing)."""
@@ -140,7 +146,7 @@ class SparseTraining:
             frac = float(a) / ffn.intermediate_size
             frac = frac if first else self.smoothing * st.activity + (1 - self.smoothing) * frac
             st.activity = frac
-            new = "sparse" if frac <= self.max_active else ("dense" if frac > 1.25 * self.max_active else st.route)
+            new = "sparse" if frac <= self.max_active else ("dense" if frac > self.keep_max else st.route)
             if new != st.route or first:
                 changed = changed or new != st.route
                 st.route = new

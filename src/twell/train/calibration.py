@@ -4,7 +4,8 @@
 L1 term of one FFN of the model's shape at the run's rows per forward, dense against the training op, on
 the calibrated generator (BENCHMARK.md) at a ladder of active neurons per row. The threshold is the
 largest measured activity at which the op was faster than dense *and at every lower point of the
-ladder*; a layer then trains sparse only at an activity the timings measured faster. Where no point is
+ladder*; a layer then trains sparse only at an activity the timings measured faster (and stays sparse
+within a band that ends short of the first slower point, ``keep_max``). Where no point is
 faster, the threshold is 0 and every layer trains dense, with that reason. With ``train.compile`` on,
 the dense side is the compiled expression, as the trainer's dense layers are compiled.
 """
@@ -53,8 +54,16 @@ class Calibration:
         return (f"the training op measured faster than dense up to {top['nnz']} active per row "
                 f"({100 * top['active']:.2f}%, {top['speedup']:.2f}x; {base})")
 
+    @property
+    def keep_max(self) -> float:
+        """The top of the band in which a sparse layer stays sparse (SparseTraining's ``keep_max``): 1.25 x
+        the threshold, but short of the first ladder point above it, which measured slower: halfway there."""
+        above = [p["active"] for p in self.points if p["active"] > self.max_active]
+        band = 1.25 * self.max_active
+        return band if not above else min(band, (self.max_active + min(above)) / 2)
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "why": self.why}
+        return {**asdict(self), "why": self.why, "keep_max": self.keep_max}
 
 
 def choose_max_active(points: Sequence[dict], margin: float = 1.0) -> float:

@@ -127,8 +127,6 @@ class Trainer:
         self.tracker = SparsityTracker(cfg.model.num_layers, cfg.model.intermediate_size, t.seq_len,
                                        window_tokens=window, device=dev, position_bins=s.position_bins)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.main)
-        if self.calibration is not None:
-            self.metrics.write({"kind": "event", "step": 0, "event": "ffn-calibration", **self.calibration.as_dict()})
         self.ckpt = CheckpointManager(self.out / "ckpt", self.info, keep=t.keep_checkpoints)
         self.step = 0
         self.elapsed_before = 0.0  # training seconds of earlier (resumed-from) processes
@@ -139,6 +137,8 @@ class Trainer:
         self._first_bad = torch.full((), -1, dtype=torch.long, device=dev)  # first non-finite step (device; -1: none)
         if resume:
             self._resume()
+        if self.calibration is not None:  # after the resume, which rewrites metrics.jsonl up to its checkpoint
+            self._event("ffn-calibration", **self.calibration.as_dict())
         if self.main:  # after the resume checks: a refused resume leaves the run's config.yaml as it was
             (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
 
@@ -166,36 +166,44 @@ class Trainer:
             return None, why
         from twell.nn.sparse_training import SparseTraining, use_sparse_training
 
-        m, source = cfg.train.sparse_max_active, "set"
+        m, source, keep = cfg.train.sparse_max_active, "set", None
         if m == "auto":
-            m, source = self._timed_max_active(model)
+            m, source, keep = self._timed_max_active(model)
         # max_active 1 admits any activity: sparse from the first step, before any is measured
         backend = SparseTraining(max_active=m, start="sparse" if m >= 1 else "dense", strict=mode == "always",
-                                 min_rows=cfg.train.sparse_min_tokens, threshold_source=source)
+                                 min_rows=cfg.train.sparse_min_tokens, threshold_source=source, keep_max=keep)
         return use_sparse_training(model, backend), ""
 
-    def _timed_max_active(self, model) -> tuple[float, str]:
-        """sparse_max_active auto: the threshold from timings of the training op against dense at this run's
-        rows per forward (rank 0's, on every rank), or the default where forwards are below the row floor
-        (they train dense whatever the threshold)."""
+    def _timed_max_active(self, model) -> tuple[float, str, float | None]:
+        """sparse_max_active auto: (threshold, its source, the band's top) from timings of the training op
+        against dense at this run's rows per forward (rank 0's, on every rank); the default where nothing is
+        timed: forwards below the row floor (they train dense whatever the threshold), or layers the op
+        cannot run (they train dense with that reason). A failed timing fails every rank."""
         from twell.nn.sparse_training import MAX_ACTIVE
 
         t, mc = self.cfg.train, self.cfg.model
         rows = t.micro_batch * t.seq_len
-        if rows < t.sparse_min_tokens:
-            return MAX_ACTIVE, "default: forwards below the row floor train dense"
-        cal = None
+        ffns = sparse_ffns(model)
+        if rows < t.sparse_min_tokens or not ffns or ffns[0]._no_train_layer():
+            return MAX_ACTIVE, "set", None
+        cal = err = None
         if self.main:
             from twell.train.calibration import calibrate
 
             print(f"[twell.train] timing the training op against dense at {rows} rows (train.sparse_max_active "
                   "auto) ...", flush=True)
-            cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
-                            compiled_dense=self.compile)
-            print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
-        cal = broadcast_object(cal, self.info)
+            try:
+                cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
+                                compiled_dense=self.compile)
+                print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
+            except Exception as exc:  # every rank raises it, not only this one (the others wait below)
+                err = f"{type(exc).__name__}: {exc}"
+        cal, err = broadcast_object((cal, err), self.info)
+        if err is not None:
+            raise RuntimeError(f"timing the training op for train.sparse_max_active=auto failed ({err}); a number "
+                               "in train.sparse_max_active sets the threshold without timing")
         self.calibration = cal
-        return cal.max_active, "timed"
+        return cal.max_active, "timed", cal.keep_max
 
     def _prepare_out_dir(self, resume: bool, overwrite: bool) -> None:
         existing = [p for p in ("ckpt", "metrics.jsonl") if (self.out / p).exists()]
