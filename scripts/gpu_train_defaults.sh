@@ -9,17 +9,21 @@
 #                  16384 rows, nnz 29 at each of OTHER_M; energy off)
 #   PHASE=train    the 0.5B shape on the offline Python-docs corpus with python -m twell.train's defaults at the
 #                  recipe's 4 x 1024 tokens per step (gpu_train_e2e.sh PHASE=train; STEPS, DEADLINE_S)
+#   PHASE=captured `python -m twell.bench train-ffn --published` on that checkpoint's layers: each one's first 16384
+#                  captured rows of held-out text as a training case, beside the generator's nnz 29 (after PHASE=train)
 #   PHASE=model    `python -m twell.bench model` on that checkpoint, training rows compiled on both sides at each
 #                  of TRAIN_BATCHES (the sparse side's threshold timed, as the trainer's default), then
 #                  gpu_train_e2e.sh PHASE=resume (python -m twell.train defaults against sparse_kernels=never)
 # Carried: .device/devdata (corpus/python311_docs.jsonl), .device/baselines/sparser-faster-llms.
+# The machine's copy of the tree may record an older commit with local changes, so the benchmarks refuse it:
+# BENCH_ARGS=--allow-dirty records it as such (the records' code digests name the commit: bench provenance).
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export TWELL_SHARED_DATA=${TWELL_SHARED_DATA:-$PWD/.device/devdata}
 source scripts/stage_lib.sh
 PUBLISHED=${PUBLISHED:-$PWD/.device/baselines/sparser-faster-llms}
 mkdir -p runs
-case "${PHASE:?set PHASE=kernels, bench, train or model}" in
+case "${PHASE:?set PHASE=kernels, bench, train, captured or model}" in
 kernels)
     stage build $PY -m twell.kernels.build --build
     [ -d "$PUBLISHED" ] && setsid nohup $PY -m twell.bench.published build "$PUBLISHED" > runs/published_build.log 2>&1 < /dev/null &
@@ -41,6 +45,13 @@ bench)
             --cases nnz29 --train-M "$m" --tag "M$m" ${BENCH_ARGS:-}
     done
     grep -hE "^\| " "$OUT"/bench*.log | head -40
+    ;;
+captured)
+    RUN=runs/train_e2e_0p5b
+    prepared=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['data']['prepared_dir'])" "$RUN/summary.json")
+    stage captured $PY -m twell.bench train-ffn --out "$OUT" --no-energy --published "$PUBLISHED" --quiet --cases nnz29 \
+        --checkpoint "$RUN/final" --tokens "$prepared" --tag captured ${BENCH_ARGS:-}
+    grep -hE "^\| " "$OUT"/captured.log | head -40
     ;;
 train)
     PHASE=train STEPS=${STEPS:-4000} DEADLINE_S=${DEADLINE_S:-400} OUT=$OUT bash scripts/gpu_train_e2e.sh

@@ -246,3 +246,33 @@ def test_bench_real_cases_run_the_kernels(tmp_path, prepared):
             assert v["ok"] and v["rel_err"] < 1e-2 and v["nonfinite"] == 0, (r["name"], name, v)
     info = result["cases"][0]["impls"]["twell-kernel-union"]["info"]
     assert info["blocks"] == 64 and 0 < info["union_blocks"] <= 64, info
+
+
+def test_train_ffn_with_a_checkpoint_adds_its_layers_as_training_cases(checkpoint, prepared):
+    """train-ffn with a checkpoint: after the generator's training cases, one per layer on the first train_M rows
+    it captured from real text, at the activity the model learnt; the same protocol (exactness, timings)."""
+    from twell.bench.registry import Registry
+    from twell.reference.training import train_gated_ffn
+
+    def ref_train(x, w_gate, w_up, w_down):
+        out, l1, _, _ = train_gated_ffn(x, w_gate, w_up, w_down)
+        return out, l1
+
+    reg = Registry()
+    reg.register_fn("ref-train", ref_train, kind="training")
+    cfg = BenchConfig(device="cpu", shapes="train", cases=("nnz8",), D=64, H=160, train_M=100, impls=(),
+                      train_impls=("ref-train",), checkpoint=str(checkpoint), tokens=str(prepared.dir), real_M=130,
+                      real_seq=64, energy=False, memory=False, reps=2, warmup=1)
+    runner = BenchRunner(cfg, registry=reg, progress=False)
+    result = runner.run()
+    cases = result["cases"]
+    assert [(r["case"]["kind"], r["case"]["sparsity"], r["case"]["M"], r["case"]["layer"]) for r in cases] == \
+        [("train", "nnz8", 100, None)] + [("train", f"layer{i}", 100, i) for i in range(3)]
+    for r, cap in zip(cases[1:], runner.captured.layers):
+        active = (torch.relu(cap.x[:100] @ cap.w_gate.t()) != 0).sum(1).float()
+        assert r["sparsity"]["mean_active"] == pytest.approx(active.mean().item()) and r["bias"] is None
+        assert r["impls"]["ref-train"]["ok"], r["impls"]["ref-train"]
+    assert not result["failures"]
+    md = markdown_report(result)
+    assert "| train layer2 | 100 | 64 x 160 | captured |" in md and "Training cases `train layer<i>`" in md
+    json.dumps(result)

@@ -60,6 +60,8 @@ DEFAULT_CASES = ("nnz8", "nnz29", "nnz64", "nnz29-heavy")
 L1_COEF = 2e-5
 SHAPES = ("inference", "odd", "train", "real", "all")
 REAL_SHAPES = ("inference", "real", "all")  # the ones that include the checkpoint's layers
+# ... as training cases: train-ffn with a checkpoint (each layer's first train_M captured rows)
+REAL_TRAIN_SHAPES = ("train",)
 CPU_NOTE = ("CPU run: timings use time.perf_counter at tiny shapes to exercise the harness; they are "
             "NOT the benchmark protocol (CUDA events on an H100, shapes of BENCHMARK.md).")
 
@@ -68,7 +70,7 @@ CPU_NOTE = ("CPU run: timings use time.perf_counter at tiny shapes to exercise t
 class Case:
     """One benchmark case: shape, target sparsity, and kind ("inference", "odd", "train", or "real":
     the inputs of checkpoint layer ``layer``, whose sparsity is whatever the model learnt; nnz and tail
-    are then 0)."""
+    are then 0). A "train" case with a ``layer`` trains on that layer's captured inputs."""
 
     kind: str
     sparsity: str
@@ -228,7 +230,7 @@ def build_cases(cfg: BenchConfig, captured: CapturedInputs | None = None) -> lis
     """The cases of the config, in run order: inference Ms, the odd shape, the checkpoint's layers
     (given its captured inputs; they are inference cases too), then training."""
     check_config(cfg)
-    if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES and captured is None:
+    if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES + REAL_TRAIN_SHAPES and captured is None:
         raise ValueError("the config has a checkpoint: pass its captured inputs (BenchRunner.capture())")
     cases = []
 
@@ -248,6 +250,11 @@ def build_cases(cfg: BenchConfig, captured: CapturedInputs | None = None) -> lis
             cases.append(Case("real", f"layer{layer.layer}", M, D, H, 0.0, 0.0, cfg.seed, layer.layer))
     if cfg.shapes in ("train", "all"):
         add("train", cfg.train_M, cfg.H)
+    if cfg.shapes in REAL_TRAIN_SHAPES and captured is not None:
+        for layer in captured.layers:
+            M, D, H = layer.shape
+            cases.append(Case("train", f"layer{layer.layer}", min(int(M), int(cfg.train_M)), D, H, 0.0, 0.0,
+                              cfg.seed, layer.layer))
     return cases
 
 
@@ -434,7 +441,7 @@ class BenchRunner:
         """The checkpoint's FFN inputs (captured once, on the bench device), or None when the config has
         no checkpoint or its shapes take no real case."""
         cfg = self.cfg
-        if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES and self.captured is None:
+        if cfg.checkpoint is not None and cfg.shapes in REAL_SHAPES + REAL_TRAIN_SHAPES and self.captured is None:
             self.captured = capture_ffn_inputs(cfg.checkpoint, cfg.tokens, cfg.real_M, cfg.real_seq,
                                                layers=cfg.real_layers, split=cfg.tokens_split, device=self.device,
                                                progress=self.progress)
@@ -443,14 +450,14 @@ class BenchRunner:
     def _inputs(self, case: Case) -> FFNInputs:
         if self.preset_inputs is not None:
             return self.preset_inputs
-        if case.kind != "real":
+        if case.layer is None:
             inp = calibrated_ffn_inputs(case.M, case.D, case.H, case.nnz, case.tail, seed=case.seed,
                                         device=self.device)
-        else:
+        else:  # a checkpoint layer's captured inputs (a training case takes its first M rows)
             (layer,) = [c for c in self.capture().layers if c.layer == case.layer]
             dev = self.device
-            inp = FFNInputs(layer.x.to(dev), layer.w_gate.to(dev), layer.w_up.to(dev), layer.w_down.to(dev),
-                            bias=math.nan, nnz=0.0, tail=0.0, seed=case.seed)
+            inp = FFNInputs(layer.x[:case.M].to(dev), layer.w_gate.to(dev), layer.w_up.to(dev),
+                            layer.w_down.to(dev), bias=math.nan, nnz=0.0, tail=0.0, seed=case.seed)
         if self.published is not None:
             self.case_inputs = inp
         return inp
@@ -620,7 +627,7 @@ class BenchRunner:
             stats["union_reuse_64"] = union_reuse(h != 0, (UNION_BLOCK,)).get(UNION_BLOCK)
         del h
         return {"case": dataclasses.asdict(case), "name": case.name,
-                "bias": None if case.kind == "real" else inp.bias, "sparsity": stats, "dense": {}, "impls": {}}
+                "bias": None if case.layer is not None else inp.bias, "sparsity": stats, "dense": {}, "impls": {}}
 
     def _energy_memory(self, rec: dict, fns: dict[str, Callable], tokens: int) -> None:
         for name, fn in fns.items():
@@ -778,6 +785,11 @@ def markdown_report(result: dict) -> str:
         for r in train:
             lines += _rows(r, tol, with_gate=False)
         lines.append("")
+        src = result.get("real_inputs")
+        if src and any(r["case"].get("layer") is not None for r in train):
+            lines += [f"Training cases `train layer<i>`: the first rows of what SparseFFN layer i of "
+                      f"`{src['checkpoint']}` receives on `{src['tokens']}` (captured with dense FFNs, "
+                      "twell.bench.captured), at the activity the model learnt.", ""]
         lines += _compiled_notes(train)
     lines += published_kernels.markdown_section(result)
     lines += ["## Energy and memory", ""]
@@ -850,7 +862,7 @@ def _compiled_notes(train: list[dict]) -> list[str]:
 
 def _rows(r: dict, tol: float, with_gate: bool) -> list[str]:
     c, s = r["case"], r["sparsity"]
-    target = "captured" if c["kind"] == "real" else f"{c['nnz']:g} / {c['tail']:g}"
+    target = "captured" if c.get("layer") is not None else f"{c['nnz']:g} / {c['tail']:g}"
     head = (f"| {c['kind']} {c['sparsity']} | {c['M']} | {c['D']} x {c['H']} | {target} "
             f"| {s['mean_active']:.1f} / {s['max_active']} | {s['max_per_tile']} | {s['overflow_rows']} ")
     dense = r["dense"].get("timing")
