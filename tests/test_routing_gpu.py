@@ -78,3 +78,35 @@ def test_auto_costs_no_more_than_the_path_it_picks(layers, nnz):
             if ran.op != "dense" and ratio >= 1.0:
                 failures.append(f"{rows} rows: auto ran {ran.op} ({ran.reason}) at {ratio:.3f}x dense's time")
     assert not failures, f"nnz {nnz}: " + "; ".join(failures) + f" (all: {rows_seen})"
+
+
+def test_compiled_auto_layers_on_the_kernels_share_graphs():
+    """Ten layers of one compiled forward, "auto" on the GPU with ten measured activities (a few above the
+    threshold, so dense with the decoding op on few rows): graphs per activity class, not per layer, and the
+    outputs of eager calls, at a prefill-sized and a decoding-sized batch."""
+    from torch._dynamo.utils import counters
+
+    from twell import kernels
+    from twell.nn import SparseFFN
+
+    ok, why = kernels.available()
+    if not ok:
+        pytest.skip(why)
+    torch._dynamo.reset()
+    counters.clear()
+    fs = []
+    for i in range(10):
+        torch.manual_seed(i)
+        f = SparseFFN(256, 1024).to(torch.bfloat16).cuda()
+        f.path = "auto"
+        f._set_activity(0.0004 * (i + 1) + (0.03 if i % 3 == 0 else 0.0))
+        fs.append(f)
+    classes = {f._auto_stable for f in fs}
+    for rows in (4096, 4):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            want = [f(x) for f in fs]
+            got = [torch.compile(f)(x) for f in fs]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] <= 2 * len(classes), (dict(counters["stats"]), len(classes))
