@@ -99,3 +99,23 @@ def test_sparse_training_keeps_its_band_and_checks_it():
     assert SparseTraining(max_active=0.01, keep_max=0.011).keep_max == 0.011
     with pytest.raises(ValueError, match="keep_max"):
         SparseTraining(max_active=0.01, keep_max=0.005)
+
+
+def test_a_resumed_run_reads_back_its_timing(tmp_path):
+    import json
+
+    from twell.train.calibration import Calibration
+
+    path = tmp_path / "metrics.jsonl"
+    assert Calibration.from_metrics(path, rows=8192, D=2048, H=5632, compiled_dense=True) is None
+    first = Calibration(rows=8192, D=2048, H=5632, compiled_dense=True, impl="kernel", points=_pts(2.0, 0.9, H=5632))
+    first.max_active = choose_max_active(first.points)
+    other = Calibration(rows=16384, D=2048, H=5632, compiled_dense=True, impl="kernel", points=_pts(3.0, H=5632),
+                        max_active=10 / 5632)
+    lines = [{"kind": "train", "step": 1}, {"kind": "event", "step": 0, "event": "ffn-calibration", **first.as_dict()},
+             {"kind": "event", "step": 0, "event": "ffn-calibration", **other.as_dict()}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = Calibration.from_metrics(path, rows=8192, D=2048, H=5632, compiled_dense=True)
+    assert got is not None and got.max_active == first.max_active and got.points == first.points
+    assert got.keep_max == first.keep_max and got.why == first.why
+    assert Calibration.from_metrics(path, rows=8192, D=2048, H=5632, compiled_dense=False) is None  # eager dense

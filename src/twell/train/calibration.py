@@ -65,6 +65,29 @@ class Calibration:
     def as_dict(self) -> dict:
         return {**asdict(self), "why": self.why, "keep_max": self.keep_max}
 
+    @classmethod
+    def from_metrics(cls, path, *, rows: int, D: int, H: int, compiled_dense: bool) -> Optional["Calibration"]:
+        """The last ``ffn-calibration`` event of a run's metrics.jsonl made at this shape, or None: a resumed
+        run keeps the threshold it started with (a new timing could route its layers differently)."""
+        from pathlib import Path
+
+        from twell.jsonl import iter_jsonl
+
+        path = Path(path)
+        if not path.is_file():
+            return None
+        found = None
+        for _, rec in iter_jsonl(path, partial_last_ok=True):
+            if (isinstance(rec, dict) and rec.get("event") == "ffn-calibration"
+                    and (rec.get("rows"), rec.get("D"), rec.get("H"), rec.get("compiled_dense")) == (rows, D, H,
+                                                                                                  compiled_dense)):
+                found = rec
+        if found is None:
+            return None
+        return cls(rows=rows, D=D, H=H, compiled_dense=compiled_dense, impl=found.get("impl", "kernel"),
+                   points=list(found.get("points", [])), max_active=float(found["max_active"]),
+                   margin=float(found.get("margin", 1.0)))
+
 
 def choose_max_active(points: Sequence[dict], margin: float = 1.0) -> float:
     """The largest ``active`` of ``points`` whose speed-up, and that of every point of lower activity,

@@ -103,6 +103,7 @@ class Trainer:
         set_tracking(model, True)
         self.compile = t.compile is True or (t.compile == "auto" and dev.type == "cuda")
         self.calibration = None  # twell.train.calibration.Calibration when sparse_max_active is auto and timed
+        self._resuming = resume
         self.sparse_training, self.sparse_note = self._sparse_training(model)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
@@ -188,14 +189,21 @@ class Trainer:
             return MAX_ACTIVE, "set", None
         cal = err = None
         if self.main:
-            from twell.train.calibration import calibrate
+            from twell.train.calibration import Calibration, calibrate
 
-            print(f"[twell.train] timing the training op against dense at {rows} rows (train.sparse_max_active "
-                  "auto) ...", flush=True)
+            shape = dict(rows=rows, D=mc.hidden_size, H=mc.intermediate_size, compiled_dense=self.compile)
+            cal = Calibration.from_metrics(self.out / "metrics.jsonl", **shape) if self._resuming else None
+            if cal is not None:
+                print(f"[twell.train] the run's earlier timing: {cal.why}: threshold {100 * cal.max_active:.2f}%",
+                      flush=True)
+            else:
+                print(f"[twell.train] timing the training op against dense at {rows} rows "
+                      "(train.sparse_max_active auto) ...", flush=True)
             try:
-                cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
-                                compiled_dense=self.compile)
-                print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
+                if cal is None:
+                    cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
+                                    compiled_dense=self.compile)
+                    print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
             except Exception as exc:  # every rank raises it, not only this one (the others wait below)
                 err = f"{type(exc).__name__}: {exc}"
         cal, err = broadcast_object((cal, err), self.info)
