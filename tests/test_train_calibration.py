@@ -119,3 +119,19 @@ def test_a_resumed_run_reads_back_its_timing(tmp_path):
     assert got is not None and got.max_active == first.max_active and got.points == first.points
     assert got.keep_max == first.keep_max and got.why == first.why
     assert Calibration.from_metrics(path, rows=8192, D=2048, H=5632, compiled_dense=False) is None  # eager dense
+
+
+def test_compile_auto_is_on_where_inductor_can_run(monkeypatch):
+    import importlib.util
+
+    from twell.train.loop import resolve_compile
+
+    assert resolve_compile(True, torch.device("cpu")) == (True, "")
+    assert resolve_compile(False, torch.device("cuda")) == (False, "")
+    assert resolve_compile("auto", torch.device("cpu")) == (False, "auto: not on a CPU")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+    assert resolve_compile("auto", torch.device("cuda")) == (True, "auto")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    on, why = resolve_compile("auto", torch.device("cuda"))
+    assert not on and "Triton" in why

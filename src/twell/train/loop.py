@@ -75,6 +75,20 @@ class RunResult:
     summary: dict
 
 
+def resolve_compile(setting, device: torch.device) -> tuple[bool, str]:
+    """(compile the decoder layers?, why, for "auto") from ``train.compile``: auto compiles on a GPU where
+    inductor can generate its kernels (Triton installed), not on a CPU."""
+    if setting != "auto":
+        return bool(setting), ""
+    if device.type != "cuda":
+        return False, "auto: not on a CPU"
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False, "auto: Triton is not installed, which torch.compile needs on a GPU"
+    return True, "auto"
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False):
         self.t_start = time.time()
@@ -101,7 +115,7 @@ class Trainer:
         model = build_model(cfg.model).to(dev)
         self.params = count_parameters(model)
         set_tracking(model, True)
-        self.compile = t.compile is True or (t.compile == "auto" and dev.type == "cuda")
+        self.compile, self.compile_note = resolve_compile(t.compile, dev)
         self.calibration = None  # twell.train.calibration.Calibration when sparse_max_active is auto and timed
         self._resuming = resume
         self.sparse_training, self.sparse_note = self._sparse_training(model)
@@ -559,7 +573,7 @@ class Trainer:
             f"val tokens; tokenizer {self.data.tokenizer_choice['kind']} {self.data.tokenizer_choice['name']} "
             f"(vocab {self.data.vocab_size})\n"
             f"  device {self.info.device} ({'FSDP2' if self.fsdp else 'single process'}), precision {t.precision}, "
-            f"compile={self.compile}{' (auto)' if t.compile == 'auto' else ''}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
+            f"compile={self.compile}{f' ({self.compile_note})' if self.compile_note else ''}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
             f"{self.sparse_training or 'no, ' + self.sparse_note}; out {self.out}"
         )
 
