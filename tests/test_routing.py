@@ -418,12 +418,13 @@ def test_compiled_auto_layers_share_graphs_whatever_their_measured_activity():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(f.auto_note != COMPILED_NOTE for f in fs)
-    # a threshold set later makes the class again (its setter), so compiled planning follows it
+    # every setting the class is made from remakes it (its setter), so compiled planning follows it
     fs[0].auto_max_active = 0.5
-    assert fs[0]._auto_stable[0][0] == 0.5 and fs[0]._build_state(compiled=True).activity == 0.5
-    # a class made for other settings is not used: planning reads the exact values (correct, not shared)
-    fs[1]._auto_stable = ((0.2, (), 16, True), *fs[1]._auto_stable[1:])
-    assert fs[1]._build_state(compiled=True).activity == fs[1]._activity
+    assert fs[0]._build_state(compiled=True).activity == 0.5
+    fs[1].auto_ceilings = ()
+    assert fs[1]._build_state(compiled=True).activity == fs[1].auto_max_active
+    fs[3].decode_rows = 4  # a layer run dense: its decoding rows are part of the class
+    assert fs[3]._auto_dense and fs[3]._build_state(compiled=True).decode_max_rows == fs[3].decode_max_rows() == 4
 
 
 def test_the_activity_class_answers_every_threshold_as_the_activity_does():
@@ -432,9 +433,9 @@ def test_the_activity_class_answers_every_threshold_as_the_activity_does():
     ts = sorted({min(c, f.auto_max_active) for _, c in f.auto_ceilings} | {f.auto_max_active})
     for a in [0.0, 1e-5, *ts, *(t * 1.0001 for t in ts), 0.3, 1.0]:
         f._set_activity(a)
-        cls = f._auto_stable[1]
+        cls = f._auto_stable[0]
         assert all((a > t) == (cls > t) for t in ts), (a, cls)
         state = f._build_state(compiled=True)
         assert state.activity == cls and state.decode_max_rows == (f.decode_max_rows() if f._auto_dense else 0)
     f.reset_auto()
-    assert f._auto_stable[1] is None and f._build_state(compiled=True).activity is None
+    assert f._auto_stable[0] is None and f._build_state(compiled=True).activity is None

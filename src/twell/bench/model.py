@@ -391,22 +391,20 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     return float(np.median(times))
 
 
-def _threshold(model, ffns, rows: int, device: torch.device, compiled: bool, max_active: Optional[float]):
+def _threshold(ffns, rows: int, device: torch.device, compiled: bool, max_active: Optional[float]):
     """(max_active, source, keep_max, calibration record or None) of the sparse side's SparseTraining: timed
     as the trainer times it, where the op can run the layers at these rows; the fixed default elsewhere."""
     from twell.nn.sparse_training import MAX_ACTIVE, MIN_ROWS
 
+    from twell import kernels
+    from twell.train.calibration import calibrate, can_time
+
     if max_active is not None:
         return max_active, "set", None, None
-    if device.type != "cuda" or rows < MIN_ROWS or not ffns or ffns[0]._no_train_layer():
+    if device.type != "cuda" or not can_time(ffns, rows, MIN_ROWS) or not kernels.available()[0]:
         return MAX_ACTIVE, "set", None, None
-    from twell import kernels
-    from twell.train.calibration import calibrate
-
-    if not kernels.available()[0]:
-        return MAX_ACTIVE, "set", None, None
-    mc = model.config
-    cal = calibrate(int(mc.hidden_size), int(mc.intermediate_size), rows, device, compiled_dense=compiled)
+    f = ffns[0]
+    cal = calibrate(f.hidden_size, f.intermediate_size, rows, device, compiled_dense=compiled)
     return cal.max_active, "timed", cal.keep_max, cal.as_dict()
 
 
@@ -430,9 +428,9 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     set_tracking(m, True)
     ffns = sparse_ffns(m)
     routes = calibration = None
+    tokens = ids.shape[0] * (ids.shape[1] - 1)  # rows of each forward
     if sparse:
-        rows = ids.shape[0] * (ids.shape[1] - 1)
-        max_active, source, keep, calibration = _threshold(m, ffns, rows, device, compile_layers, max_active)
+        max_active, source, keep, calibration = _threshold(ffns, tokens, device, compile_layers, max_active)
         backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source,
                                                         keep_max=keep))
         with torch.no_grad():  # the routes from the activity on these tokens
@@ -469,7 +467,6 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         notes.append(f"compiled: {counters['stats']['unique_graphs']} graphs, {breaks} graph breaks"
                      + (f" ({', '.join(sorted(counters['graph_break']))[:300]})" if breaks else ""))
     del m, opt
-    tokens = ids.shape[0] * (ids.shape[1] - 1)
     if sparse:
         notes.append(f"threshold {100 * max_active:.2f}% of H ({source})")
     out = {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,

@@ -504,17 +504,15 @@ class SparseFFN(nn.Module):
         ws = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj) if m is not None]
         b = self.train_backend
         stable = self._auto_stable if compiled else None
-        if stable is not None and stable[0] != self._stable_key():
-            stable = None  # settings changed in compiled code since: read the exact values
         if training_only:
             auto = dict(decode_rows=0, dense_rows=None, auto_dense=None, timed=False, activity=None,
                         activity_text="", auto_max_active=0.0, ceilings=(), decode_max_rows=0, choice_note=None)
         elif stable is not None:
             auto = dict(decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
-                        timed=self._timed, activity=stable[1],
-                        activity_text=COMPILED_ACTIVITY if stable[1] is not None else "",
+                        timed=self._timed, activity=stable[0],
+                        activity_text=COMPILED_ACTIVITY if stable[0] is not None else "",
                         auto_max_active=self.auto_max_active, ceilings=self.auto_ceilings,
-                        decode_max_rows=stable[2], choice_note=COMPILED_NOTE if stable[3] else None)
+                        decode_max_rows=stable[1], choice_note=COMPILED_NOTE if stable[2] else None)
         else:
             auto = dict(decode_rows=self.decode_rows, dense_rows=self.dense_rows, auto_dense=self._auto_dense,
                         timed=self._timed, activity=self._activity, activity_text=self._activity_text,
@@ -544,12 +542,10 @@ class SparseFFN(nn.Module):
         if hasattr(self, "_auto_stable"):  # set up (the setters run in __init__ too)
             self._refresh_stable()
 
-    def _stable_key(self) -> tuple:
-        return (self.auto_max_active, self.auto_ceilings, self.decode_rows, self.gated)
-
     def _refresh_stable(self) -> None:
-        """``_auto_stable``: (the settings it was made for, the activity's class, decode_max_rows, whether a
-        note is set), for compiled planning. The class is the smallest threshold ("auto_max_active" and the
+        """``_auto_stable``: (the activity's class, decode_max_rows, whether a note is set), for compiled
+        planning; every write of what it is made of (the activity, its note and choice, the thresholds,
+        decode_rows) goes through ``_changed``, which makes it again. The class is the smallest threshold ("auto_max_active" and the
         ceilings) at or above the activity, or 1.0 above them all: every comparison planning makes with a
         threshold gives the same answer for it as for the activity, and layers in the same class share it."""
         a = self._activity
@@ -558,7 +554,7 @@ class SparseFFN(nn.Module):
             a = next((t for t in ts if a <= t), 1.0 if ts[-1] < 1.0 else a)
         # decode_max_rows matters to planning only on a layer "auto" runs dense
         rows = self.decode_max_rows() if self._auto_dense else 0
-        self._auto_stable = (self._stable_key(), a, rows, self._activity_note is not None)
+        self._auto_stable = (a, rows, self._activity_note is not None)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
         """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel", why)``,

@@ -89,6 +89,12 @@ class Calibration:
                    margin=float(found.get("margin", 1.0)))
 
 
+def can_time(ffns: Sequence, rows: int, min_rows: int) -> bool:
+    """Whether a run's threshold is timed: forwards of at least the row floor (smaller ones train dense
+    whatever the threshold) on layers the training op can run (others train dense with their reason)."""
+    return rows >= min_rows and bool(ffns) and not ffns[0]._no_train_layer()
+
+
 def choose_max_active(points: Sequence[dict], margin: float = 1.0) -> float:
     """The largest ``active`` of ``points`` whose speed-up, and that of every point of lower activity,
     exceeds ``margin`` (0 when the lowest point does not): the op is used only where it was measured

@@ -198,13 +198,12 @@ class Trainer:
 
         t, mc = self.cfg.train, self.cfg.model
         rows = t.micro_batch * t.seq_len
-        ffns = sparse_ffns(model)
-        if rows < t.sparse_min_tokens or not ffns or ffns[0]._no_train_layer():
+        from twell.train.calibration import Calibration, calibrate, can_time
+
+        if not can_time(sparse_ffns(model), rows, t.sparse_min_tokens):
             return MAX_ACTIVE, "set", None
         cal = err = None
         if self.main:
-            from twell.train.calibration import Calibration, calibrate
-
             shape = dict(rows=rows, D=mc.hidden_size, H=mc.intermediate_size, compiled_dense=self.compile)
             cal = Calibration.from_metrics(self.out / "metrics.jsonl", **shape) if self._resuming else None
             if cal is not None:
@@ -213,13 +212,12 @@ class Trainer:
             else:
                 print(f"[twell.train] timing the training op against dense at {rows} rows "
                       "(train.sparse_max_active auto) ...", flush=True)
-            try:
-                if cal is None:
+                try:
                     cal = calibrate(mc.hidden_size, mc.intermediate_size, rows, self.info.device,
                                     compiled_dense=self.compile)
                     print(f"[twell.train] {cal.why}: threshold {100 * cal.max_active:.2f}%", flush=True)
-            except Exception as exc:  # every rank raises it, not only this one (the others wait below)
-                err = f"{type(exc).__name__}: {exc}"
+                except Exception as exc:  # every rank raises it, not only this one (the others wait below)
+                    err = f"{type(exc).__name__}: {exc}"
         cal, err = broadcast_object((cal, err), self.info)
         if err is not None:
             raise RuntimeError(f"timing the training op for train.sparse_max_active=auto failed ({err}); a number "
@@ -573,7 +571,8 @@ class Trainer:
             f"val tokens; tokenizer {self.data.tokenizer_choice['kind']} {self.data.tokenizer_choice['name']} "
             f"(vocab {self.data.vocab_size})\n"
             f"  device {self.info.device} ({'FSDP2' if self.fsdp else 'single process'}), precision {t.precision}, "
-            f"compile={self.compile}{f' ({self.compile_note})' if self.compile_note else ''}, activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
+            f"compile={self.compile}{f' ({self.compile_note})' if self.compile_note else ''}, "
+            f"activation checkpointing={t.activation_checkpointing}; sparse training kernels: "
             f"{self.sparse_training or 'no, ' + self.sparse_note}; out {self.out}"
         )
 
