@@ -122,6 +122,19 @@ def test_cli_and_table(pair, tmp_path, capsys):
     assert set(efficiency.figures(results)) == {"speedup", "energy", "memory"}
 
 
+def test_labels_with_dots_and_tags_name_their_own_files(pair, tmp_path):
+    """A label such as "0.5B" and a tag give each run its own JSON and MD, named for both."""
+    for tag in ("a", "b"):
+        assert bench_main(["model", pair[0], "--label", "0.5B (docs)", "--device", "cpu", "--prefill-batch", "2",
+                           "--seq", "16", "--decode-batch", "1", "--prompt", "8", "--new-tokens", "3",
+                           "--train-batch", "0", "--reps", "2", "--no-energy", "--no-static-decode",
+                           "--no-graph-decode", "--no-token-check", "--out", str(tmp_path), "--tag", tag,
+                           "--quiet"]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 4 and all(n.startswith("model-0.5B__docs_-") for n in names)
+    assert [n.rsplit("-", 1)[1] for n in names] == ["a.json", "a.md", "b.json", "b.md"]
+
+
 def test_missing_checkpoint_names_what_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="train it first"):
         efficiency.run_scales({"x": {"sparse": "runs/nowhere/final"}}, tmp_path, **SMALL)

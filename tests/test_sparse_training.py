@@ -154,6 +154,10 @@ def test_training_kernel_bench_table_and_figures(tmp_path):
     first = res["cases"][0]
     assert table["speed-up"][0] == first["impls"]["twell-train-kernel"]["speedup"]
     assert plots.plot_kernel_bench(table) is not None
+    # a newer record of a checkpoint's captured layers is not the generator's table
+    captured = sorted((repo_root() / "reports" / "bench").glob("ffn-*-captured.json"))[-1]
+    shutil.copy(captured, tmp_path / captured.name)
+    assert training_kernel_bench(tmp_path)[1].name == src.name
     recs = [{"kind": "train", "step": s, "tok_s": 1000.0 + s, "active_frac": 0.5 / s, "peak_mem_mb": 10.0,
              "ce": 1.0} for s in range(1, 30)]
     recs.append({"kind": "event", "step": 12, "event": "ffn-routes", "routes": ["sparse"]})
@@ -304,3 +308,24 @@ def test_compiled_layers_share_their_graphs_whatever_their_reasons():
     assert {f.last_path for f in fs} == {"train-reference"}
     ev = be.route_events(fs)
     assert ev["why"] == [f"training: sparse ({be.layer(f).why})" for f in fs]
+
+
+def test_trainer_routes_follow_the_activity_one_step_late():
+    """The trainer hands a step's activity to the backend at the next step's end (no per-step host sync)."""
+    from types import SimpleNamespace
+
+    from twell.train.loop import Trainer
+
+    seen, events = [], []
+    backend = SimpleNamespace(update=lambda ffns, values: seen.append(values),
+                              route_events=lambda ffns: {"routes": ["dense"]})
+    t = SimpleNamespace(sparse_training=backend, ffns=[None], _pending_activity=None,
+                        _event=lambda name, **kw: events.append((name, kw)))
+    Trainer._update_routes(t, torch.tensor([3.0]))
+    assert seen == [] and events == []
+    Trainer._update_routes(t, torch.tensor([5.0]))
+    assert seen == [[3.0]] and events == [("ffn-routes", {"routes": ["dense"]})]
+    Trainer._update_routes(t, torch.tensor([7.0]))
+    assert seen == [[3.0], [5.0]]
+    Trainer._update_routes(t, None)  # the run's end: the last step's values, nothing pending after
+    assert seen == [[3.0], [5.0], [7.0]] and t._pending_activity is None

@@ -3,6 +3,7 @@ gradient, on random and odd shapes, the benchmark's sparsity cases, all-zero and
 and layers whose heavy rows exceed any fixed capacity (GPU only; skipped and counted without CUDA)."""
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -42,12 +43,12 @@ def _rel(a, b):
 NAMES = ("out", "l1", "grad_x", "grad_w_gate", "grad_w_up", "grad_w_down")
 
 
-def check_case(x, w_gate, w_up, w_down, slots=ref.TRAIN_SLOTS, coef=0.3, seed=0, factor=2.0, floor=2e-3):
+def check_case(x, w_gate, w_up, w_down, slots=ref.TRAIN_SLOTS, coef=0.3, seed=0, factor=2.0, floor=2e-3, hot=None):
     """Kernel and dense bf16 against fp32: every output within ``factor`` x dense's error (+ floor);
-    activity equal to the reference's exactly."""
+    activity equal to the reference's exactly. ``hot``: the kernel call's hot neurons."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     dy = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(x.device)
-    got, nnz, act = _run(ktrain.train_gated_ffn, x, w_gate, w_up, w_down, dy, coef, slots)
+    got, nnz, act = _run(functools.partial(ktrain.train_gated_ffn, hot=hot), x, w_gate, w_up, w_down, dy, coef, slots)
     dense, nnz_r, act_r = _run(ref.train_gated_ffn, x, w_gate, w_up, w_down, dy, coef, slots)
     truth = _fp32_truth(x, w_gate, w_up, w_down, dy, coef)
     assert torch.equal(nnz, nnz_r)
@@ -287,3 +288,145 @@ def test_compiles_without_graph_break():
     f(*eager).backward()
     for a, b in zip(leaves, eager):
         assert torch.equal(a.grad, b.grad)
+
+
+def _gate_counts(x, wg):
+    return (torch.nn.functional.linear(x, wg) > 0).sum(0)
+
+
+@pytest.mark.parametrize("M,D,H,bias,slots,min_freq", [
+    (37, 136, 200, -1.5, 16, 0.05),
+    (300, 264, 777, -2.0, 8, 0.02),
+    (1000, 512, 1408, -2.5, 128, 0.01),
+    (2048, 2048, 5632, -2.4, 128, 0.02),
+])
+def test_hot_neurons_random_shapes(M, D, H, bias, slots, min_freq):
+    """Hot neurons as dense columns, the rest on the pair kernels: the same results as without."""
+    x, wg, wu, wd = _random(M, D, H, seed=M, bias=bias)
+    wg[3] = 0
+    wg[3, 0] = 1.0  # a neuron active on every row: hot
+    hot = ref.choose_hot(_gate_counts(x, wg), M, min_freq, multiple=8)
+    assert 3 in hot.tolist()
+    check_case(x, wg, wu, wd, slots=slots, hot=hot)
+
+
+def test_hot_neurons_any_set():
+    """Any increasing set is exact: never-active neurons, a single one, every neuron (the cold pass then
+    sees an all-zero gate), and rows heavy only through their hot neurons (light in the cold pass)."""
+    x, wg, wu, wd = _random(700, 256, 640, bias=-2.0, seed=2)
+    wg[:40] = 0
+    wg[:40, 0] = 1.0  # 40 neurons on every row: every row heavy at 16 slots, light once they are hot
+    nnz, _ = check_case(x, wg, wu, wd, slots=16)
+    assert bool((nnz > 16).all())
+    for hot in (torch.arange(40), torch.tensor([5]), torch.arange(640), torch.arange(600, 640),
+                torch.arange(0, 640, 7)):
+        check_case(x, wg, wu, wd, slots=16, hot=hot.cuda())
+    x[9:20] = 0
+    check_case(x, wg, wu, wd, slots=16, hot=torch.arange(64).cuda())
+
+
+def test_hot_neurons_deterministic_and_compiled():
+    x, wg, wu, wd = _random(1024, 256, 640, bias=-2.0, seed=7)
+    hot = ref.choose_hot(_gate_counts(x, wg), 1024, 0.02, multiple=16)
+    assert hot.numel() > 0
+    dy = torch.randn_like(x)
+    run = functools.partial(ktrain.train_gated_ffn, hot=hot)
+    a, _, _ = _run(run, x, wg, wu, wd, dy, 0.1, 128)
+    b, _, _ = _run(run, x, wg, wu, wd, dy, 0.1, 128)
+    for name, s, t in zip(NAMES, a, b):
+        assert torch.equal(s, t), name
+
+    def f(x, wg, wu, wd, hot):
+        out, l1, _, _ = ktrain.train_gated_ffn(x, wg, wu, wd, hot=hot)
+        return out.float().square().sum() + l1
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    torch.compile(f, fullgraph=True)(*leaves, hot).backward()
+    eager = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
+    f(*eager, hot).backward()
+    for a, b in zip(leaves, eager):  # inductor fuses the hot part's elementwise steps: bf16 roundings differ
+        assert _rel(a.grad, b.grad) < 1e-2
+
+
+def test_hot_neurons_bad_sets():
+    x, wg, wu, wd = _random(16, 64, 128)
+    with pytest.raises(ValueError, match="int64"):
+        ktrain.train_gated_ffn(x, wg, wu, wd, hot=torch.arange(4, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="device"):
+        ktrain.train_gated_ffn(x, wg, wu, wd, hot=torch.arange(4))
+
+
+def test_bench_hot_impl_chooses_each_cases_own_set():
+    """The benchmark's hot implementation keeps one case's set for its timed calls and never hands it to the next
+    case, even when the next case's tensors take the freed memory of the previous one's."""
+    from twell.bench.registry import default_registry
+
+    fn = default_registry().resolve("twell-train-kernel-hot", "training")
+    sets = []
+    for first in (0, 100):
+        x, wg, wu, wd = _random(1024, 256, 640, bias=-2.0, seed=first)
+        wg[first:first + 64] = 0
+        wg[first:first + 64, 0] = 1.0  # 64 neurons on every row, a different 64 per case
+        sets.append(fn.describe(x, wg, wu, wd))
+        got = fn(*(t.clone().requires_grad_(True) for t in (x, wg, wu, wd)))
+        assert got[0].shape == x.shape
+        del x, wg, wu, wd, got
+    # each case's set takes most of its own pairs (a set left from the other case would take few: its 64 neurons
+    # are different ones)
+    assert all(s["hot_neurons"] >= 64 and s["hot_pair_share"] > 0.5 for s in sets)
+    hot = fn.describe(*_random(1024, 256, 640, bias=-3.5, seed=100))
+    assert hot["hot_neurons"] == 0  # the same shapes, gates almost always shut: none of the earlier cases' sets
+
+
+def test_a_layer_hands_its_hot_set_to_the_op(monkeypatch):
+    """SparseFFN on the kernels' route passes the backend's hot set to the op, and trains as without it."""
+    from twell.nn import SparseFFN
+    from twell.nn.sparse_training import SparseTraining
+
+    torch.manual_seed(0)
+    f = SparseFFN(256, 640).to(torch.bfloat16).cuda()
+    with torch.no_grad():
+        f.gate_proj.weight[:, 0] = -2.0
+        f.gate_proj.weight[:32, 0] = 1.0
+    f.track = True
+    f.train_backend = SparseTraining(min_rows=0, start="sparse")
+    x = torch.randn(2, 512, 256, device="cuda")
+    x[..., 0] = 1.0
+    x = x.to(torch.bfloat16).requires_grad_(True)
+    seen = []
+    real = ktrain.train_gated_ffn
+
+    def spy(*a, **kw):
+        seen.append(kw.get("hot"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ktrain, "train_gated_ffn", spy)
+    outs = []
+    for hot in (None, torch.arange(64, device="cuda")):
+        f.train_backend.set_hot(f, hot)
+        out = f(x)
+        (out.float().square().sum() + f.stats.l1).backward()
+        outs.append([out.detach(), x.grad.clone(), f.gate_proj.weight.grad.clone()])
+        x.grad = None
+        f.zero_grad()
+    assert seen[0] is None and seen[1].tolist() == list(range(64))
+    for a, b in zip(*outs):
+        assert _rel(a, b) < 1e-2
+
+
+def test_time_layer_picks_the_fastest_route_it_timed():
+    """Per-layer timing on the layer's own rows: every route timed on the kernels, the choice the fastest of
+    its own timings, and a sparse choice only where it beat dense."""
+    from twell.train.calibration import time_layer
+
+    x, wg, wu, wd = _random(8192, 512, 1408, bias=-2.5, seed=11)
+    wg[:64] = 0
+    wg[:64, 0] = 1.0  # 64 neurons on every row
+    rec, hot = time_layer(x, wg, wu, wd, hot_min_freq=0.02, reps=5, warmup=2)
+    assert hot is not None and rec["hot_pair_share"] > 0.5
+    ms = {"dense": rec["dense_ms"], "sparse": rec["sparse_ms"], "hot": rec["hot_ms"]}
+    fastest_sparse = min(("sparse", "hot"), key=ms.get)
+    if rec["route"] == "dense":
+        assert ms[fastest_sparse] >= ms["dense"]
+    else:
+        assert rec["route"] == fastest_sparse and ms[fastest_sparse] < ms["dense"]

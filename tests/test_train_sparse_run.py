@@ -105,3 +105,27 @@ def test_defaults_time_the_threshold_and_route_by_it(tmp_path, data):
     assert all(p["speedup"] > 1 for p in cal["points"] if p["active"] <= cal["max_active"])
     start = next(r for r in m["event"] if r["event"] == "start")
     assert f"max_active={cal['max_active']}" in start["describe"], start["describe"]
+
+
+def test_timed_routes_with_hot_neurons(tmp_path, data):
+    """train.sparse_routes timed: every sparse_retime_every steps each layer's routes are timed on its own input;
+    the run logs the records and routes by them (with hot sets where the split was fastest)."""
+    cfg = _cfg(data, "auto", steps=4)
+    cfg["train"].update(sparse_routes="timed", sparse_hot=0.02, sparse_retime_every=2, sparse_min_tokens=512)
+    out = tmp_path / "timed-routes"
+    run(cfg, out=out)
+    m = read_metrics(out / "metrics.jsonl")
+    timed = [e for e in m["event"] if e["event"] == "ffn-timed-routes"]
+    assert [e["step"] for e in timed] == [2, 4]
+    for e in timed:
+        assert len(e["layers"]) == 2
+        for rec in e["layers"]:
+            assert rec["route"] in ("dense", "sparse", "hot") and rec["rows"] == 512
+            best = min(("sparse", "hot"), key=lambda k: rec[f"{k}_ms"] if rec[f"{k}_ms"] is not None else 1e9)
+            assert rec["route"] == (best if rec["dense_ms"] > rec[f"{best}_ms"] else "dense")
+    # the first route event after the timing: its routes, hot sets, and the paths the next step ran
+    after = next(e for e in m["event"] if e["event"] == "ffn-routes" and e["step"] > 2)
+    layers = timed[0]["layers"]
+    assert after["routes"] == ["dense" if r["route"] == "dense" else "sparse" for r in layers]
+    assert after.get("hot_neurons", [0, 0]) == [r["hot_neurons"] if r["route"] == "hot" else 0 for r in layers]
+    assert after["ran"] == ["dense" if r["route"] == "dense" else "train-kernel" for r in layers]

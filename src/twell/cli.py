@@ -77,6 +77,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text, float, "a number in (0, 1]")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def torch_device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, refused when this machine has no such device."""
     import torch

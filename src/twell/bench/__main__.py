@@ -18,7 +18,7 @@ import torch
 from twell.bench.ffn import (DEFAULT_CASES, SHAPES, SPARSITY, BenchConfig, BenchRunner, exit_code, markdown_report,
                              write_outputs)
 from twell.cli import (check_args, check_checkpoint_files, check_kernels, check_output_dir, check_output_file, fail,
-                       non_negative_int, positive_float, positive_int, torch_device)
+                       fraction, non_negative_int, positive_float, positive_int, torch_device)
 from twell.paths import SMOKE_PROFILE, reports_root
 
 PROG = "python -m twell.bench"
@@ -66,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     mo.add_argument("--train-steps", type=positive_int, default=5)
     mo.add_argument("--train-compile", action="store_true",
                     help="compile each decoder layer for the training rows (both sides), as train.compile does")
+    mo.add_argument("--train-max-active", type=fraction, metavar="FRACTION",
+                    help="the sparse side's training threshold, a fraction of H (default: timed, as "
+                         "python -m twell.train's train.sparse_max_active auto); 1 trains every layer sparse")
+    mo.add_argument("--train-hot", type=fraction, metavar="MIN_FREQ",
+                    help="the sparse side's layers on the kernels compute their hot neurons (active on at least "
+                         "MIN_FREQ of the step's rows, counted on its tokens) as dense columns (default: none)")
+    mo.add_argument("--train-routes", default="activity", choices=["activity", "timed"],
+                    help="the sparse side's training routes: by the activity threshold, as python -m twell.train "
+                         "sets them (default), or timed per layer on its own rows (dense, the op, and with "
+                         "--train-hot the op with the layer's hot neurons; GPU)")
     mo.add_argument("--sparse-path", default="auto", choices=["auto", "kernel", "reference"])
     mo.add_argument("--no-static-decode", action="store_true",
                     help="skip the decode rows with a static KV cache (compiled: CUDA graphs)")
@@ -393,6 +403,7 @@ def model_main(args: argparse.Namespace) -> int:
             sparse_path=args.sparse_path, prefill_batches=tuple(args.prefill_batch), seq_len=args.seq,
             decode_batches=tuple(args.decode_batch), prompt_len=args.prompt, new_tokens=args.new_tokens,
             train_batch=args.train_batch, train_steps=args.train_steps, train_compile=args.train_compile,
+            train_max_active=args.train_max_active, train_hot=args.train_hot, train_routes=args.train_routes,
             reps=args.reps, energy=not args.no_energy, energy_seconds=args.energy_seconds, tokens=args.tokens,
             decode_static=not args.no_static_decode, decode_graph=not args.no_graph_decode,
             decode_compile=args.compiled_graph_decode, token_check=not args.no_token_check)

@@ -66,6 +66,13 @@ class ModelBenchConfig:
     # the sparse side's training threshold (a fraction of H); None: timed as python -m twell.train's default does
     # (twell.train.calibration, on a GPU at forwards of at least the row floor; the fixed default elsewhere)
     train_max_active: Optional[float] = None
+    # the sparse side's hot neurons (twell.reference.training.choose_hot): a layer on the kernels computes the
+    # neurons active on at least this fraction of the step's rows (counted on its tokens) as dense columns
+    train_hot: Optional[float] = None
+    # how the sparse side's layers get their routes: "activity" (the threshold, as python -m twell.train does)
+    # or "timed" (each layer's routes timed on its own input of the routing forward: dense, the op, and with
+    # train_hot the op with the layer's hot neurons; twell.train.calibration.time_layer)
+    train_routes: str = "activity"
     l1_coef: float = 2e-5
     reps: int = 10
     warmup: int = 2
@@ -93,6 +100,12 @@ class ModelBenchConfig:
             raise ValueError("train_batch must be >= 0, train_steps >= 1 and warmup >= 0")
         if self.seq_len is not None and self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if self.train_routes not in ("activity", "timed"):
+            raise ValueError(f"train_routes must be activity or timed, got {self.train_routes!r}")
+        for name in ("train_max_active", "train_hot"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"{name} must be a fraction in (0, 1], got {v}")
 
 
 def _sync(device: torch.device) -> None:
@@ -408,10 +421,32 @@ def _threshold(ffns, rows: int, device: torch.device, compiled: bool, max_active
     return cal.max_active, "timed", cal.keep_max, cal.as_dict()
 
 
+def _layer_inputs(ffns, keep: bool):
+    """Forward pre-hooks recording, per layer, the rows on which each neuron's ReLU gate is open (int64 [H])
+    and, with ``keep``, the layer's input ([rows, D], detached): (records, the hooks' handles)."""
+    from twell.nn.ffn import call_input
+    from twell.reference.training import gate_counts
+
+    seen = [dict() for _ in ffns]
+
+    def hook(i):
+        def fn(module, args, kwargs):
+            x = call_input(args, kwargs).detach()
+            x = x.reshape(-1, x.shape[-1])
+            seen[i].update(counts=gate_counts(x, module.gate_proj.weight), rows=x.shape[0],
+                           **({"x": x} if keep else {}))
+        return fn
+
+    return seen, [f.register_forward_pre_hook(hook(i), with_kwargs=True) for i, f in enumerate(ffns)]
+
+
 def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
-                 device: torch.device, compile_layers: bool = False, max_active: Optional[float] = None) -> dict:
+                 device: torch.device, compile_layers: bool = False, max_active: Optional[float] = None,
+                 hot_min_freq: Optional[float] = None, routes_by: str = "activity") -> dict:
     """tokens/s and peak memory of optimizer steps on a copy of ``model`` (the original is untouched);
-    ``compile_layers``: each decoder layer compiled after the routes are set (compiled in the untimed steps)."""
+    ``compile_layers``: each decoder layer compiled after the routes are set (compiled in the untimed steps);
+    ``hot_min_freq``: hot neurons chosen from the routing forward's gate activity; ``routes_by`` "timed": each
+    layer's route timed on its own input of the routing forward (ModelBenchConfig.train_routes)."""
     from twell.model import set_tracking, sparse_ffns
     from twell.nn.sparse_training import COMPILED_WHY, SparseTraining, use_sparse_training
     from twell.train.recipe import sparse_lm_loss
@@ -427,15 +462,49 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         p.requires_grad_(True)
     set_tracking(m, True)
     ffns = sparse_ffns(m)
-    routes = calibration = None
+    routes = calibration = layer_timings = None
     tokens = ids.shape[0] * (ids.shape[1] - 1)  # rows of each forward
-    if sparse:
+    timed = False
+    if sparse and routes_by == "timed" and device.type == "cuda":
+        from twell import kernels
+        from twell.nn.sparse_training import MIN_ROWS
+        from twell.train.calibration import can_time
+
+        # forwards under the row floor train dense whatever a timing says; without kernels nothing can be timed
+        timed = can_time(ffns, tokens, MIN_ROWS) and kernels.available()[0]
+    if timed:  # the threshold is not used: every layer's route comes from its own timings
+        from twell.nn.sparse_training import MAX_ACTIVE
+
+        max_active, source, keep = MAX_ACTIVE if max_active is None else max_active, "not used", None
+    elif sparse:
         max_active, source, keep, calibration = _threshold(ffns, tokens, device, compile_layers, max_active)
+    if sparse:
         backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source,
                                                         keep_max=keep))
-        with torch.no_grad():  # the routes from the activity on these tokens
-            m(input_ids=ids, use_cache=False)
+        seen, hooks = (_layer_inputs(ffns, keep=timed) if hot_min_freq is not None or timed else ([], []))
+        try:
+            with torch.no_grad():  # the routes from the activity on these tokens (the training forward's rows)
+                m(input_ids=ids[:, :-1], use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
         backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
+        if timed:
+            from twell.train.calibration import time_layer
+
+            layer_timings = []
+            for f, rec in zip(ffns, seen):
+                t, hot = time_layer(rec.pop("x"), f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight,
+                                    compiled_dense=compile_layers, hot_min_freq=hot_min_freq)
+                backend.set_route(f, t["route"], t["why"], hot)
+                layer_timings.append(t)
+        elif hot_min_freq is not None:
+            from twell.reference.training import choose_hot
+
+            for f, rec in zip(ffns, seen):
+                if backend.route(f) == "sparse":
+                    backend.set_hot(f, choose_hot(rec["counts"], rec["rows"], hot_min_freq))
+        del seen
         routes = [backend.route(f) for f in ffns]
     if compile_layers:
         from torch._dynamo.utils import counters
@@ -467,12 +536,23 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
         notes.append(f"compiled: {counters['stats']['unique_graphs']} graphs, {breaks} graph breaks"
                      + (f" ({', '.join(sorted(counters['graph_break']))[:300]})" if breaks else ""))
     del m, opt
-    if sparse:
+    if sparse and routes_by == "timed" and not timed:
+        notes.append("routes by activity: timing each layer's routes needs a GPU with the kernels, layers the op "
+                     "can run and forwards of at least the row floor")
+    if sparse and not timed:
         notes.append(f"threshold {100 * max_active:.2f}% of H ({source})")
+        if hot_min_freq is not None:
+            sizes = [0 if f.train_state is None or f.train_state.hot is None else int(f.train_state.hot.numel())
+                     for f in ffns]
+            notes.append(f"hot neurons (active on >= {100 * hot_min_freq:g}% of rows) per layer: {sizes}")
     out = {"seconds_per_step": secs, "tokens_per_s": tokens / secs, "peak_bytes": peak, "routes": routes,
            "notes": notes}
     if calibration is not None:
         out["calibration"] = calibration
+    if layer_timings is not None:
+        out["layer_timings"] = layer_timings
+        notes.append("routes timed per layer on its own rows: " + "; ".join(
+            f"layer {i} {t['route']} ({t['why'].split(': ', 1)[1]})" for i, t in enumerate(layer_timings)))
     return out
 
 
@@ -558,7 +638,8 @@ def run_model_bench(cfg: ModelBenchConfig, progress: bool = True, allow_dirty: b
                "seq": seq, "tokens": cfg.train_batch * seq}
         for side, m in models.items():
             row[side] = _train_steps(m, x, cfg.train_steps, cfg.warmup, cfg.l1_coef, side == "sparse", device,
-                                     compile_layers=cfg.train_compile, max_active=cfg.train_max_active)
+                                     compile_layers=cfg.train_compile, max_active=cfg.train_max_active,
+                                     hot_min_freq=cfg.train_hot, routes_by=cfg.train_routes)
         row["speedup"] = row["sparse"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
         rows.append(row)
         bar.update(1)
@@ -660,8 +741,10 @@ def write_outputs(res: dict, out_dir: Path, tag: str = "") -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = res["meta"]["started"].replace("-", "").replace(":", "").split("+")[0]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{res['model']['label']}-{res['meta']['device_name']}")
-    base = out_dir / f"model-{slug}-{stamp}{'-' + tag if tag else ''}"
-    jp, mp = base.with_suffix(".json"), base.with_suffix(".md")
+    stem = f"model-{slug}-{stamp}{'-' + tag if tag else ''}"
+    # appended, not Path.with_suffix: a label such as "0.5B" puts a dot in the stem, and with_suffix would cut
+    # the name there (every run of that label the same file)
+    jp, mp = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     jp.write_text(json.dumps(res, indent=1))
     mp.write_text(markdown_report(res))
     return jp, mp

@@ -133,16 +133,52 @@ def _twell_train_kernel() -> Callable:
     return fn
 
 
+def _twell_train_kernel_hot() -> Callable:
+    """The training op with its hot neurons (active on at least HOT_MIN_FREQ of the rows) as dense columns,
+    the set chosen once from the case's own gate activity on the first call and kept for the timed calls, as
+    a trainer keeps the set chosen from earlier steps (the generator's neurons keep their rates from batch to
+    batch: each has its own offset; a trained layer's change slowly)."""
+    from twell.kernels.training import train_gated_ffn
+    from twell.reference import training as rt
+
+    _kernels()
+    chosen: dict = {}
+
+    def hot_set(x, w_gate):
+        # keyed by the data's addresses while the keyed tensors are held here: a freed case's memory, handed by
+        # the allocator to the next case of the same size, would otherwise match (views such as .detach() do)
+        key = (x.data_ptr(), w_gate.data_ptr(), tuple(x.shape), tuple(w_gate.shape))
+        if chosen.get("key") != key:
+            hot = rt.choose_hot(rt.gate_counts(x, w_gate), x.shape[0], rt.HOT_MIN_FREQ)
+            chosen.update(key=key, held=(x, w_gate), hot=hot)  # one case at a time
+        return chosen["hot"]
+
+    def fn(x, w_gate, w_up, w_down):
+        return train_gated_ffn(x, w_gate, w_up, w_down, hot=hot_set(x, w_gate))[:2]
+
+    def describe(x, w_gate, w_up, w_down) -> dict:
+        """The hot set's size and the share of these inputs' active (row, neuron) pairs it takes."""
+        hot, counts = hot_set(x, w_gate), rt.gate_counts(x, w_gate)
+        total = max(1, int(counts.sum()))
+        return {"hot_min_freq": rt.HOT_MIN_FREQ, "hot_neurons": int(hot.numel()),
+                "hot_pair_share": round(int(counts[hot].sum()) / total, 4)}
+
+    fn.describe = describe
+    return fn
+
+
 def default_registry() -> Registry:
     """A fresh registry with "twell-kernel" (CUDA, sm_90a: the one-op sparse FFN, as a SparseFFN layer
     runs it), "twell-kernel-ops" (its gate and fused ops called one after the other, as a layer that
     keeps its TwELL does), "twell-kernel-union" (the one op with the fitted block-union rule,
     twell.reference.ffn.UNION_RULE, as a layer given the rule by choose_union_paths runs it) and
-    "twell-reference" (pure PyTorch); for training, "twell-train-kernel" (twell.kernels.training)."""
+    "twell-reference" (pure PyTorch); for training, "twell-train-kernel" (twell.kernels.training) and
+    "twell-train-kernel-hot" (the same with its hot neurons as dense columns)."""
     reg = Registry()
     reg.register("twell-kernel", _twell_kernel)
     reg.register("twell-kernel-ops", _twell_kernel_ops)
     reg.register("twell-kernel-union", _twell_kernel_union)
     reg.register("twell-reference", _twell_reference)
     reg.register("twell-train-kernel", _twell_train_kernel, kind="training")
+    reg.register("twell-train-kernel-hot", _twell_train_kernel_hot, kind="training")
     return reg

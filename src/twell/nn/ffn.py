@@ -698,7 +698,13 @@ class SparseFFN(nn.Module):
             x2, ws = x2.to(dtype), [w.to(dtype) for w in ws]
         x2 = x2.contiguous()
         with torch.autocast(x.device.type, enabled=False):
-            out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots, **self._gate_kwargs())
+            kw = self._gate_kwargs()
+            # the backend's hot neurons of this layer (dense columns), on the kernels: the reference computes
+            # every neuron densely anyway
+            hot = getattr(self.train_state, "hot", None) if route.impl == "kernel" else None
+            if hot is not None:
+                kw["hot"] = hot
+            out, l1, nnz, active = train_gated_ffn(x2, *ws, slots=route.slots, **kw)
         if self.track:
             self.stats = FFNStats(l1=l1 if self.track_l1 else l1.detach(), active_per_token=nnz.reshape(shape[:-1]),
                                   neuron_active=active)

@@ -52,12 +52,18 @@ class LayerTraining:
     why:       why the route is what it is, written when it was set (a reason that changed every step
                would log an event every step); compiled code does not read it (``COMPILED_WHY``)
     reported:  (route, ran, why) as the last :meth:`SparseTraining.route_events` reported them
+    hot:       neurons the training op computes as dense columns over every row (int64 [K] on the layer's
+               device, set by :meth:`SparseTraining.set_hot`; None: none)
+    timed:     the route was set from timings on the layer's own input (:meth:`SparseTraining.set_route`):
+               :meth:`SparseTraining.update` then keeps it (and still smooths the activity)
     """
 
     route: str
     activity: Optional[float] = None
     why: str = ""
     reported: Optional[tuple] = None
+    hot: Optional[torch.Tensor] = None
+    timed: bool = False
     owner: Optional["SparseTraining"] = field(default=None, repr=False, compare=False)  # the backend it belongs to
 
 
@@ -106,6 +112,39 @@ class SparseTraining:
                                                  "measured yet", owner=self)
         return st
 
+    def set_hot(self, ffn, hot: Optional[torch.Tensor]) -> None:
+        """Give a layer's sparse training calls their hot neurons (:func:`twell.reference.training.choose_hot`;
+        None or an empty set: none). The set changes no result, only which neurons go pair by pair; it is
+        checked once here (one host read), not at every call."""
+        from twell.reference.training import check_hot, check_hot_values
+
+        H = ffn.intermediate_size
+        if hot is not None:
+            check_hot(hot, H, ffn.gate_proj.weight.device)
+            check_hot_values(hot, H)
+            if hot.numel() == 0:
+                hot = None
+        self.layer(ffn).hot = hot
+
+    def set_route(self, ffn, route: str, why: str, hot: Optional[torch.Tensor] = None) -> None:
+        """Fix a layer's route from timings on its own input (twell.train.calibration.time_layer): "dense",
+        "sparse" or "hot" (sparse with ``hot`` as its hot neurons). The activity no longer moves it; a later
+        call sets it again."""
+        if route not in ROUTES + ("hot",):
+            raise ValueError(f"route must be dense, sparse or hot, got {route!r}")
+        if route == "hot" and (hot is None or hot.numel() == 0):
+            raise ValueError("route hot needs a non-empty hot set")
+        self.set_hot(ffn, hot if route == "hot" else None)
+        st = self.layer(ffn)
+        st.route = "dense" if route == "dense" else "sparse"
+        st.why, st.timed = why, True
+
+    def untime(self, ffn) -> None:
+        """Hand a layer whose route was timed back to its activity (its inputs changed, e.g. neurons revived):
+        the hot set goes, and the next :meth:`update` sets the route by the threshold."""
+        st = self.layer(ffn)
+        st.timed, st.hot = False, None
+
     def route(self, ffn) -> str:
         """The route this layer's next training calls ask for: "dense" or "sparse"."""
         return self.layer(ffn).route
@@ -146,6 +185,8 @@ class SparseTraining:
             frac = float(a) / ffn.intermediate_size
             frac = frac if first else self.smoothing * st.activity + (1 - self.smoothing) * frac
             st.activity = frac
+            if st.timed:  # set from timings on the layer's own input: kept until timed again
+                continue
             new = "sparse" if frac <= self.max_active else ("dense" if frac > self.keep_max else st.route)
             if new != st.route or first:
                 changed = changed or new != st.route
@@ -155,14 +196,16 @@ class SparseTraining:
 
     def route_events(self, ffns: Sequence) -> Optional[dict]:
         """``{"routes", "ran", "why"}`` (one entry per layer: the route asked for the next calls, the path
-        the last training call ran, its Route's reason) when any of them changed since the last report,
-        else None. Call it after :meth:`update`, between steps."""
+        the last training call ran, its Route's reason; plus ``hot_neurons``, each layer's hot set size, when
+        any layer has one) when any of them changed since the last report, else None. Call it after
+        :meth:`update`, between steps."""
         now = []
         for f in ffns:
             r = f.last_route
             ran = ((r.path, r.reason.replace(COMPILED_WHY, self.layer(f).why)) if r is not None and r.training
                    else (None, ""))
-            now.append((self.route(f), *ran))
+            hot = self.layer(f).hot
+            now.append((self.route(f), *ran, 0 if hot is None else int(hot.numel())))
         changed = False
         for f, rec in zip(ffns, now):
             st = self.layer(f)
@@ -170,7 +213,10 @@ class SparseTraining:
             st.reported = rec
         if not changed:
             return None
-        return {"routes": [r[0] for r in now], "ran": [r[1] for r in now], "why": [r[2] for r in now]}
+        out = {"routes": [r[0] for r in now], "ran": [r[1] for r in now], "why": [r[2] for r in now]}
+        if any(r[3] for r in now):
+            out["hot_neurons"] = [r[3] for r in now]
+        return out
 
 
 def use_sparse_training(model: torch.nn.Module, backend: Optional[SparseTraining] = None) -> SparseTraining:

@@ -154,3 +154,65 @@ def calibrate(D: int, H: int, rows: int, device, *, compiled_dense: bool = False
         del inp, leaves
     cal.max_active = choose_max_active(cal.points, margin)
     return cal
+
+
+# Routes a layer can train by: dense, the training op, the op with the layer's hot neurons as dense columns.
+LAYER_ROUTES = ("dense", "sparse", "hot")
+
+
+def time_layer(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+               compiled_dense: bool = False, impl: str = "kernel", hot_min_freq: Optional[float] = None,
+               reps: int = 10, warmup: int = 3, margin: float = 1.0, seed: int = 0) -> dict:
+    """Time one layer's training routes on its own input x [M, D] (forward + backward + L1 term, alternating):
+    dense (compiled with ``compiled_dense``), the training op, and, with ``hot_min_freq``, the op with the
+    layer's hot neurons (``choose_hot`` on the gate's activity over x) as dense columns. The choice is the
+    fastest route, but a sparse one only where it beats dense by ``margin``. Returns ``(record, hot)``: the
+    record ``{"rows", "route", "dense_ms", "sparse_ms", "hot_ms" (None without a hot set), "hot_neurons",
+    "hot_pair_share", "active_mean", "why"}`` (JSON-ready) and the hot set (None without one)."""
+    from twell.bench.ffn import L1_COEF, dense_train_ffn
+    from twell.reference.training import choose_hot, gate_counts
+    from twell.timing import time_alternating
+
+    if impl == "kernel":
+        from twell.kernels.training import train_gated_ffn
+    elif impl == "reference":
+        from twell.reference.training import train_gated_ffn
+    else:
+        raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"x must be [rows >= 1, D], got shape {tuple(x.shape)}")
+    M, D = x.shape
+    device = x.device
+    counts = gate_counts(x, w_gate)
+    hot = choose_hot(counts, M, hot_min_freq) if hot_min_freq is not None else None
+    if hot is not None and hot.numel() == 0:
+        hot = None
+    # bf16, as the trainer hands the op a layer under autocast
+    leaves = [t.detach().to(torch.bfloat16).contiguous().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    grad_out = torch.randn(M, D, generator=g).div_(math.sqrt(M * D)).to(torch.bfloat16).to(device)
+    l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=device)
+    dense = torch.compile(dense_train_ffn) if compiled_dense else dense_train_ffn
+
+    def step(fn):
+        out, l1 = fn(*leaves)
+        return torch.autograd.grad((out, l1), leaves, (grad_out, l1_grad.to(l1.dtype)))
+
+    calls = {"dense": lambda: step(dense),
+             "sparse": lambda: step(lambda *a: train_gated_ffn(*a)[:2])}
+    if hot is not None:
+        calls["hot"] = lambda: step(lambda *a: train_gated_ffn(*a, hot=hot)[:2])
+    t = time_alternating(calls, device, reps=reps, warmup=warmup)
+    ms = {k: t[k].median_ms for k in calls}
+    best = min((k for k in ms if k != "dense"), key=ms.get)
+    route = best if ms["dense"] / ms[best] > margin else "dense"
+    total = max(1, int(counts.sum()))
+    rec = {"rows": M, "route": route, "dense_ms": ms["dense"], "sparse_ms": ms["sparse"], "hot_ms": ms.get("hot"),
+           "hot_neurons": 0 if hot is None else int(hot.numel()),
+           "hot_pair_share": 0.0 if hot is None else int(counts[hot].sum()) / total,
+           "active_mean": int(counts.sum()) / M}
+    speed = {k: ms["dense"] / v for k, v in ms.items() if k != "dense"}
+    rec["why"] = (f"timed on the layer's own {M} rows ({rec['active_mean']:.1f} active per row): "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in speed.items()) + " of dense"
+                  + (f" ({'compiled' if compiled_dense else 'eager'})"))
+    return rec, hot

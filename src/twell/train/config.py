@@ -84,6 +84,13 @@ class TrainConfig:
     # ... and on forwards of at least this many tokens (micro_batch x seq_len): fewer train faster dense
     # (docs/routing.md, "Training")
     sparse_min_tokens: int = 8192
+    # how the layers get their training routes: "activity" (the threshold above) or "timed": every
+    # sparse_retime_every steps each layer's routes are timed on its own input of that step (dense, the op, and
+    # with sparse_hot the op with the layer's hot neurons as dense columns; twell.train.calibration.time_layer),
+    # one process only (the timing needs each layer's whole weights)
+    sparse_routes: str = "activity"
+    sparse_hot: float | None = None  # timed routes: hot neurons are those active on at least this fraction of rows
+    sparse_retime_every: int = 500
     tf32: bool = True
     export_dtype: str | None = "bf16"  # dtype of the final Hugging Face export (None: keep fp32)
     export_max_shard: str = "2GB"
@@ -177,6 +184,19 @@ class RunConfig:
             raise ValueError(f"train.sparse_max_active is a fraction in [0, 1] or auto, got {t.sparse_max_active}")
         if isinstance(t.sparse_min_tokens, bool) or not isinstance(t.sparse_min_tokens, int) or t.sparse_min_tokens < 0:
             raise ValueError(f"train.sparse_min_tokens must be an integer >= 0, got {t.sparse_min_tokens!r}")
+        if t.sparse_routes not in ("activity", "timed"):
+            raise ValueError(f"train.sparse_routes must be activity or timed, got {t.sparse_routes!r}")
+        if t.sparse_routes == "timed" and world_size > 1:
+            raise ValueError(f"train.sparse_routes timed runs on one process (it times each layer's whole weights), "
+                             f"got a world size of {world_size}")
+        if t.sparse_hot is not None:
+            if isinstance(t.sparse_hot, bool) or not isinstance(t.sparse_hot, (int, float)) or not 0 < t.sparse_hot <= 1:
+                raise ValueError(f"train.sparse_hot is a fraction in (0, 1] or null, got {t.sparse_hot!r}")
+            if t.sparse_routes != "timed":
+                raise ValueError("train.sparse_hot is chosen per layer by timing: it needs train.sparse_routes timed")
+        if (isinstance(t.sparse_retime_every, bool) or not isinstance(t.sparse_retime_every, int)
+                or t.sparse_retime_every < 1):
+            raise ValueError(f"train.sparse_retime_every must be an integer >= 1, got {t.sparse_retime_every!r}")
         if t.export_dtype not in (None, "bf16", "fp32"):
             raise ValueError(f"train.export_dtype must be bf16, fp32 or null, got {t.export_dtype!r}")
         for name in ("eval_tokens", "eval_micro_batch"):  # None: the whole split / micro_batch

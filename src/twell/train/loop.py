@@ -20,7 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,7 @@ class Trainer:
         self.calibration = None  # twell.train.calibration.Calibration when sparse_max_active is auto and timed
         self._resuming = resume
         self.sparse_training, self.sparse_note = self._sparse_training(model)
+        self._pending_activity = None  # a step's activity on its way to the host (_update_routes)
         if t.activation_checkpointing:
             apply_activation_checkpointing(model)
         if self.compile:
@@ -354,7 +355,76 @@ class Trainer:
         self._first_bad.masked_fill_(~finite & (self._first_bad < 0), step + 1)
         spars = self.tracker.end_step(as_lists=False)
         # Device tensors: converted (one host sync) only for the steps that are logged.
-        return {"sums": sums, "grad_norm": grad_norm, "l1_coef": coef, "lr": lr, **spars}
+        return {"sums": sums, "grad_norm": grad_norm, "l1_coef": coef, "lr": lr, "ids": x, **spars}
+
+    def _update_routes(self, active_mean: Optional[torch.Tensor]) -> None:
+        """Set the layers' routes from a step's activity, one step late: the values reach the host by an
+        asynchronous copy and are read at the next step's end, when they have long arrived (None: the end of
+        the run, only the pending values). Reading them at once would make every step wait for the GPU (the host
+        could not queue the next step ahead), which a run without the kernels never does. The routes are a
+        smoothed choice; one step's lag changes little."""
+        pending = self._pending_activity
+        if active_mean is None:  # the end of the run: only the pending values
+            self._pending_activity = None
+        elif active_mean.is_cuda:
+            host = torch.empty(active_mean.shape, dtype=active_mean.dtype, pin_memory=True)
+            host.copy_(active_mean, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(active_mean.device))
+            self._pending_activity = (host, ready)
+        else:
+            self._pending_activity = (active_mean, None)
+        if pending is None:
+            return
+        values, ready = pending
+        if ready is not None:
+            ready.synchronize()
+        self.sparse_training.update(self.ffns, values.tolist())
+        # per layer: the route of the next steps, the path the last step ran and why
+        routes = self.sparse_training.route_events(self.ffns)
+        if routes is not None:
+            self._event("ffn-routes", **routes)
+
+    def _time_routes(self, ids: torch.Tensor) -> None:
+        """train.sparse_routes timed: each layer's routes timed on its own input of this step's last micro-batch
+        (an eager forward without gradients, hooks keeping each SparseFFN's input), then fixed by the timings
+        (SparseTraining.set_route); one ``ffn-timed-routes`` event with every layer's record."""
+        from twell.nn.ffn import call_input
+        from twell.train.calibration import time_layer
+
+        t = self.cfg.train
+        rows = ids.numel()
+        if rows < t.sparse_min_tokens or self.ffns[0]._no_train_layer():
+            return  # such forwards (layers) train dense whatever the timings say
+        inputs = [None] * len(self.ffns)
+
+        def keep(i):
+            def hook(module, args, kwargs):
+                x = call_input(args, kwargs)
+                inputs[i] = x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16)  # what the op sees
+            return hook
+
+        hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(self.ffns)]
+        ran = [f.last_route for f in self.ffns]  # the capture's inference routes are not what training ran
+        t0 = time.time()
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"), self._autocast():
+                self.model(input_ids=ids, use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+            for f, r in zip(self.ffns, ran):
+                f.stats = None
+                f.last_route = r
+        records = []
+        for i, (f, x) in enumerate(zip(self.ffns, inputs)):
+            rec, hot = time_layer(x, f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight,
+                                  compiled_dense=self.compile, hot_min_freq=t.sparse_hot)
+            inputs[i] = None
+            self.sparse_training.set_route(f, rec["route"], f"{rec['route']}: {rec['why']}", hot)
+            records.append(rec)
+        # the next step's ffn-routes event reports the new routes and what they ran
+        self._event("ffn-timed-routes", layers=records, seconds=round(time.time() - t0, 3))
 
     def _log_train(self, raw: dict, bar, t_log: float, step_log: int) -> tuple[float, float, int]:
         """Write the step's JSONL record (one host sync); return (seconds per step since the last record, now, step)."""
@@ -459,17 +529,20 @@ class Trainer:
             raw = self._train_step(self.step)
             self.step += 1
             if self.sparse_training is not None:  # routes change between steps only (checkpoint recomputes agree)
-                self.sparse_training.update(self.ffns, raw["active_mean"].tolist())
-                # per layer: the route of the next steps, the path the last step ran and why
-                routes = self.sparse_training.route_events(self.ffns)
-                if routes is not None:
-                    self._event("ffn-routes", **routes)
+                self._update_routes(raw["active_mean"])
+                if t.sparse_routes == "timed" and self.step % t.sparse_retime_every == 0:
+                    self._time_routes(raw["ids"])
+                    t_log, step_log = time.time(), self.step  # keep the timing out of the step timings
             if s.reinit_dead and self.step % s.reinit_every == 0:
                 # The tracker's counters are reduced over ranks; the AND keeps every rank's decision the same anyway.
                 dead = all_ranks_true(self.tracker.dead_mask(), self.info)
                 gen = torch.Generator().manual_seed(t.seed * 1_000_003 + self.step)  # the same draws on every rank
                 n = reinit_dead_gates(self.ffns, dead, self.optimizer, std=cfg.model.init_std, generator=gen)
                 self.tracker.revive(dead)
+                if self.sparse_training is not None:  # revived neurons change a layer's activity: timings are stale
+                    for f, revived in zip(self.ffns, dead.any(1).tolist()):
+                        if revived:
+                            self.sparse_training.untime(f)
                 self._event("reinit", neurons=n, per_layer=dead.sum(1).tolist())
             logged = self.step % t.log_every == 0 or self.step in (1, t.steps)
             if logged:
@@ -505,6 +578,8 @@ class Trainer:
             if due_ckpt:
                 self._save()
         bar.close()
+        if self._pending_activity is not None:  # the last step's activity: its routes and what it ran, logged
+            self._update_routes(None)
         bad = self._nonfinite_step()  # also after a wall-clock stop on an unchecked step
         if bad is not None:
             self._diverged(bad)

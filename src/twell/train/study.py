@@ -157,10 +157,10 @@ def data_note(runs: Mapping[str, tuple[Path, Path | None]]) -> str:
 
 
 def training_kernel_bench(bench_dir: str | Path | None = None):
-    """The newest committed ``python -m twell.bench train-ffn`` result (an ffn-*.json with training cases
-    run by the sparse training kernels) as a DataFrame: per case, dense and sparse ms, speed-up, peak
-    memory above inputs and energy per token; ``(None, None)`` when there is none. Returns
-    ``(table, json path)``."""
+    """The newest committed ``python -m twell.bench train-ffn`` result on the generator's inputs (an ffn-*.json
+    with training cases run by the sparse training kernels and no checkpoint's captured layers) as a DataFrame:
+    per case, dense and sparse ms, speed-up, peak memory above inputs and energy per token; ``(None, None)`` when
+    there is none. Returns ``(table, json path)``."""
     import json
 
     import pandas as pd
@@ -174,6 +174,8 @@ def training_kernel_bench(bench_dir: str | Path | None = None):
             continue
         cases = [c for c in res.get("cases", []) if c.get("case", {}).get("kind") == "train"
                  and "twell-train-kernel" in c.get("impls", {})]
+        if any(c["case"].get("layer") is not None for c in cases):
+            continue  # a record of a checkpoint's layers (docs/training_kernels.md shows those), not the generator's
         if cases:
             found.append((res["meta"].get("timestamp", ""), p, res, cases))
     if not found:
