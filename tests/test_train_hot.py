@@ -288,3 +288,25 @@ def test_trainer_settings_for_timed_routes():
         with pytest.raises(ValueError, match=key):
             cfg.validate()
         setattr(cfg.train, key, keep)
+
+
+def test_time_layer_takes_fp32_weights_as_the_trainer_holds_them():
+    """The trainer's weights are fp32 under bf16 autocast: the timing counts and runs on their bf16 copies."""
+    from twell.train.calibration import time_layer
+
+    x, wg, wu, wd = _layer(256, 32, 256, seed=5, bias=-2.5)
+    wg[:8, 0] = 1.0
+    rec, hot = time_layer(x, wg.float(), wu.float(), wd.float(), impl="reference", hot_min_freq=0.05, reps=1,
+                          warmup=0)
+    assert hot is not None and set(range(8)) <= set(hot.tolist()) and rec["hot_pair_share"] > 0
+
+
+def test_a_checked_set_is_checked_again_once_changed():
+    hot = torch.tensor([1, 4, 9])
+    ref.check_hot_values(hot, 16)
+    ref.check_hot_values(hot, 16)  # marked: not read again
+    with pytest.raises(ValueError, match="distinct"):
+        ref.check_hot_values(hot, 5)  # another H: read again
+    hot[2] = 4  # an in-place change bumps the version: read again
+    with pytest.raises(ValueError, match="distinct"):
+        ref.check_hot_values(hot, 16)

@@ -421,25 +421,6 @@ def _threshold(ffns, rows: int, device: torch.device, compiled: bool, max_active
     return cal.max_active, "timed", cal.keep_max, cal.as_dict()
 
 
-def _layer_inputs(ffns, keep: bool):
-    """Forward pre-hooks recording, per layer, the rows on which each neuron's ReLU gate is open (int64 [H])
-    and, with ``keep``, the layer's input ([rows, D], detached): (records, the hooks' handles)."""
-    from twell.nn.ffn import call_input
-    from twell.reference.training import gate_counts
-
-    seen = [dict() for _ in ffns]
-
-    def hook(i):
-        def fn(module, args, kwargs):
-            x = call_input(args, kwargs).detach()
-            x = x.reshape(-1, x.shape[-1])
-            seen[i].update(counts=gate_counts(x, module.gate_proj.weight), rows=x.shape[0],
-                           **({"x": x} if keep else {}))
-        return fn
-
-    return seen, [f.register_forward_pre_hook(hook(i), with_kwargs=True) for i, f in enumerate(ffns)]
-
-
 def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float, sparse: bool,
                  device: torch.device, compile_layers: bool = False, max_active: Optional[float] = None,
                  hot_min_freq: Optional[float] = None, routes_by: str = "activity") -> dict:
@@ -481,29 +462,31 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
     if sparse:
         backend = use_sparse_training(m, SparseTraining(max_active=max_active, threshold_source=source,
                                                         keep_max=keep))
-        seen, hooks = (_layer_inputs(ffns, keep=timed) if hot_min_freq is not None or timed else ([], []))
-        try:
-            with torch.no_grad():  # the routes from the activity on these tokens (the training forward's rows)
-                m(input_ids=ids[:, :-1], use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
+        from twell.nn.ffn import ffn_inputs
+        from twell.reference.training import choose_hot, gate_counts
+
+        seen = [None] * len(ffns)  # per layer: its input (timed routes) or its gate's counts (hot sets alone)
+
+        def on_input(i, x):
+            seen[i] = x if timed else (gate_counts(x, ffns[i].gate_proj.weight), x.shape[0])
+
+        with torch.no_grad(), ffn_inputs(ffns if timed or hot_min_freq is not None else [], on_input):
+            m(input_ids=ids[:, :-1], use_cache=False)  # the routes from the activity on the training forward's rows
         backend.update(ffns, [float(f.stats.active_per_token.float().mean()) for f in ffns])
         if timed:
             from twell.train.calibration import time_layer
 
             layer_timings = []
-            for f, rec in zip(ffns, seen):
-                t, hot = time_layer(rec.pop("x"), f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight,
+            for i, f in enumerate(ffns):
+                t, hot = time_layer(seen[i], f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight,
                                     compiled_dense=compile_layers, hot_min_freq=hot_min_freq)
+                seen[i] = None
                 backend.set_route(f, t["route"], t["why"], hot)
                 layer_timings.append(t)
         elif hot_min_freq is not None:
-            from twell.reference.training import choose_hot
-
-            for f, rec in zip(ffns, seen):
+            for f, (counts, rows) in zip(ffns, seen):
                 if backend.route(f) == "sparse":
-                    backend.set_hot(f, choose_hot(rec["counts"], rec["rows"], hot_min_freq))
+                    backend.set_hot(f, choose_hot(counts, rows, hot_min_freq))
         del seen
         routes = [backend.route(f) for f in ffns]
     if compile_layers:

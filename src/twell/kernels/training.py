@@ -22,7 +22,6 @@ Design and measurements: docs/training_kernels.md.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -237,24 +236,6 @@ class _HotSplitFFN(torch.autograd.Function):
         return dx, d_gate, d_up, d_down, None, None, None
 
 
-# Hot sets whose values were checked (id -> the tensor, held weakly, and its version when checked): a set is
-# made once and used at every step, so it is read back once.
-_HOT_CHECKED: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
-_HOT_VERSIONS: dict = {}
-
-
-def _check_hot_once(hot: Tensor, H: int) -> None:
-    key = id(hot)
-    if _HOT_CHECKED.get(key) is hot and _HOT_VERSIONS.get(key) == (hot._version, H):
-        return
-    check_hot_values(hot, H)
-    _HOT_CHECKED[key] = hot
-    _HOT_VERSIONS[key] = (hot._version, H)
-    if len(_HOT_VERSIONS) > 4 * len(_HOT_CHECKED) + 64:  # drop the versions of sets no longer alive
-        for k in [k for k in _HOT_VERSIONS if k not in _HOT_CHECKED]:
-            del _HOT_VERSIONS[k]
-
-
 def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slots: int = TRAIN_SLOTS, *,
                     threshold: float = 0.0, up_relu: bool = False, hot: Optional[Tensor] = None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -271,8 +252,9 @@ def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slo
     kernels. The result is the same computation either way. Whether it is faster depends on the layer: on
     trained layers whose activity is concentrated it was, where the plain op was slow; on the sparsest layers and
     on the generator's inputs it was slower (docs/training_kernels.md, "Hot neurons"), so the choice is timed per
-    layer (twell.train.calibration.time_layer). In eager code the values are checked once per tensor (one host
-    read; duplicates would count a neuron twice, an index past H fault); compiled code does not read them."""
+    layer (twell.train.calibration.time_layer). In eager code the values are checked once per set
+    (check_hot_values: duplicates would count a neuron twice, an index past H fault); compiled code does not
+    read them."""
     if threshold or up_relu:
         raise ValueError(kernel_gate_unsupported(threshold, up_relu))
     check_train_args(x, w_gate, w_up, w_down, slots)
@@ -285,6 +267,6 @@ def train_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, slo
                          f"got D={x.shape[1]}")
     if hot is not None and hot.numel():
         if not torch.compiler.is_compiling():
-            _check_hot_once(hot, w_gate.shape[0])
+            check_hot_values(hot, w_gate.shape[0])
         return _HotSplitFFN.apply(x, w_gate, w_up, w_down, hot, slots, "kernel")
     return _TrainGatedFFN.apply(x, w_gate, w_up, w_down, slots)

@@ -59,6 +59,7 @@ each replay without checking it: after changing the weights, capture again.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -165,6 +166,24 @@ def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The input x of a SparseFFN call as a forward pre-hook registered ``with_kwargs=True`` sees it:
     positional, or ``x=`` (a custom model may call ``mlp(x=h)``)."""
     return args[0] if args else kwargs["x"]
+
+
+@contextlib.contextmanager
+def ffn_inputs(ffns, on_input):
+    """While open, each call of ``ffns[i]`` hands its input to ``on_input(i, x)``: detached, as [rows, D] in bf16
+    (what the training op sees). Forward pre-hooks, removed on exit."""
+    def hook(i):
+        def fn(module, args, kwargs):
+            x = call_input(args, kwargs)
+            on_input(i, x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16))
+        return fn
+
+    hooks = [f.register_forward_pre_hook(hook(i), with_kwargs=True) for i, f in enumerate(ffns)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 class SparseFFN(nn.Module):

@@ -51,7 +51,7 @@ class LayerTraining:
     activity:  smoothed fraction of the layer's neurons active per token (None: not measured yet)
     why:       why the route is what it is, written when it was set (a reason that changed every step
                would log an event every step); compiled code does not read it (``COMPILED_WHY``)
-    reported:  (route, ran, why) as the last :meth:`SparseTraining.route_events` reported them
+    reported:  (route, ran, why, hot set size) as the last :meth:`SparseTraining.route_events` reported them
     hot:       neurons the training op computes as dense columns over every row (int64 [K] on the layer's
                device, set by :meth:`SparseTraining.set_hot`; None: none)
     timed:     the route was set from timings on the layer's own input (:meth:`SparseTraining.set_route`):
@@ -114,8 +114,8 @@ class SparseTraining:
 
     def set_hot(self, ffn, hot: Optional[torch.Tensor]) -> None:
         """Give a layer's sparse training calls their hot neurons (:func:`twell.reference.training.choose_hot`;
-        None or an empty set: none). The set changes no result, only which neurons go pair by pair; it is
-        checked once here (one host read), not at every call."""
+        None or an empty set: none). The set changes no result, only which neurons go pair by pair; its values
+        are checked here (one host read), and the op does not read them again."""
         from twell.reference.training import check_hot, check_hot_values
 
         H = ffn.intermediate_size

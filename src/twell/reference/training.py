@@ -21,9 +21,10 @@ from twell.reference.gates import active as active_mask, check_gate_settings, hi
 TRAIN_SLOTS = 128
 # The widest layer (D, a multiple of 8) the training kernels take; the reference takes any.
 TRAIN_MAX_D = 2048
-# Hot neurons (``hot=``): a neuron active on at least this fraction of a forward's rows costs less as a column
-# of dense GEMMs over all rows than pair by pair (docs/training_kernels.md, "Hot neurons"); the set is
-# rounded up to a multiple of HOT_MULTIPLE (tensor-core tiles) and holds at most HOT_MAX_FRAC of the neurons.
+# Hot neurons (``hot=``, computed as columns of dense GEMMs over all rows): by default those active on at least
+# this fraction of a forward's rows; whether the split pays is a layer's own matter, so it is timed per layer
+# (docs/training_kernels.md, "Hot neurons"). The set is rounded up to a multiple of HOT_MULTIPLE (tensor-core
+# tiles) and holds at most HOT_MAX_FRAC of the neurons.
 HOT_MIN_FREQ = 0.02
 HOT_MULTIPLE = 64
 HOT_MAX_FRAC = 0.25
@@ -56,21 +57,26 @@ def check_hot(hot, H: int, device: torch.device) -> None:
 
 
 def check_hot_values(hot: Tensor, H: int) -> None:
-    """hot strictly increasing within [0, H) (one host read of its bounds)."""
-    if hot.numel() == 0:
+    """hot strictly increasing within [0, H): one host read the first time a set is checked for this H; the set
+    is then marked (with its version), so a set made once and used at every step is read back once."""
+    mark = (hot._version, H)
+    if hot.numel() == 0 or getattr(hot, "_twell_hot_checked", None) == mark:
         return
     ok = bool(((hot[1:] > hot[:-1]).all() & (hot[0] >= 0) & (hot[-1] < H)).item())
     if not ok:
         raise ValueError(f"hot must hold distinct neuron indices in [0, {H}) in increasing order")
+    hot._twell_hot_checked = mark
 
 
 @torch.no_grad()
 def gate_counts(x: Tensor, w_gate: Tensor, chunk: int = 8192) -> Tensor:
-    """int64 [H]: on how many rows of x [M, D] each neuron's ReLU gate is open (``x @ w_gate.T > 0``), in slices of
-    ``chunk`` rows (no [M, H] tensor at once); the counts :func:`choose_hot` takes."""
-    counts = torch.zeros(w_gate.shape[0], dtype=torch.int64, device=x.device)
+    """int64 [H]: on how many rows of x [M, D] each neuron's ReLU gate is open (``x @ w_gate.T > 0``, in x's dtype,
+    as the op computes it from a layer's weights cast to that dtype), in slices of ``chunk`` rows (no [M, H]
+    tensor at once); the counts :func:`choose_hot` takes."""
+    w = w_gate.detach().to(x.dtype)
+    counts = torch.zeros(w.shape[0], dtype=torch.int64, device=x.device)
     for r0 in range(0, x.shape[0], chunk):
-        counts += (F.linear(x[r0:r0 + chunk].detach(), w_gate.detach()) > 0).sum(0)
+        counts += (F.linear(x[r0:r0 + chunk].detach(), w) > 0).sum(0)
     return counts
 
 

@@ -107,21 +107,49 @@ def choose_max_active(points: Sequence[dict], margin: float = 1.0) -> float:
     return best
 
 
-def calibrate(D: int, H: int, rows: int, device, *, compiled_dense: bool = False, impl: str = "kernel",
-              ladder: Sequence[int] = LADDER, reps: int = 10, warmup: int = 3, margin: float = 1.0, seed: int = 0,
-              progress: Optional[Callable[[dict], None]] = None) -> Calibration:
-    """Time dense against the training op (``impl``: "kernel" or "reference") at ``rows`` rows of a
-    D x H FFN, at each active count of ``ladder`` (scaled from H 5632 to H), and choose the threshold."""
-    from twell.bench.ffn import L1_COEF, dense_train_ffn
-    from twell.bench.generator import calibrated_ffn_inputs
-    from twell.timing import time_alternating
+def _grad_out(rows: int, D: int, device, seed: int) -> torch.Tensor:
+    """The output gradient the timings feed back (bf16 [rows, D], seeded)."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    return torch.randn(rows, D, generator=g).div_(math.sqrt(rows * D)).to(torch.bfloat16).to(device)
 
+
+def _train_op(impl: str):
+    """The training op of ``impl``: "kernel" (twell.kernels.training) or "reference"."""
     if impl == "kernel":
         from twell.kernels.training import train_gated_ffn
     elif impl == "reference":
         from twell.reference.training import train_gated_ffn
     else:
         raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
+    return train_gated_ffn
+
+
+def _time_train_calls(calls: dict, leaves: Sequence[torch.Tensor], grad_out: torch.Tensor, device, reps: int,
+                      warmup: int) -> dict:
+    """{name: median ms} of forward + backward (the output and the L1 term) of each ``calls[name](*leaves) ->
+    (out, l1)``, called in turn (twell.timing.time_alternating)."""
+    from twell.bench.ffn import L1_COEF
+    from twell.timing import time_alternating
+
+    l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=device)
+
+    def step(fn):
+        out, l1 = fn(*leaves)
+        return torch.autograd.grad((out, l1), leaves, (grad_out, l1_grad.to(l1.dtype)))
+
+    t = time_alternating({k: (lambda fn=fn: step(fn)) for k, fn in calls.items()}, device, reps=reps, warmup=warmup)
+    return {k: t[k].median_ms for k in calls}
+
+
+def calibrate(D: int, H: int, rows: int, device, *, compiled_dense: bool = False, impl: str = "kernel",
+              ladder: Sequence[int] = LADDER, reps: int = 10, warmup: int = 3, margin: float = 1.0, seed: int = 0,
+              progress: Optional[Callable[[dict], None]] = None) -> Calibration:
+    """Time dense against the training op (``impl``: "kernel" or "reference") at ``rows`` rows of a
+    D x H FFN, at each active count of ``ladder`` (scaled from H 5632 to H), and choose the threshold."""
+    from twell.bench.ffn import dense_train_ffn
+    from twell.bench.generator import calibrated_ffn_inputs
+
+    train_gated_ffn = _train_op(impl)
     if rows < 1 or D < 1 or H < 1:
         raise ValueError(f"expected positive rows, D and H, got {rows}, {D}, {H}")
     device = torch.device(device)
@@ -133,20 +161,12 @@ def calibrate(D: int, H: int, rows: int, device, *, compiled_dense: bool = False
 
     cal = Calibration(rows=rows, D=D, H=H, compiled_dense=compiled_dense, impl=impl, margin=margin)
     nnzs = sorted({max(1, min(H, round(n * H / REF_H))) for n in ladder})
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    grad_out = torch.randn(rows, D, generator=g).div_(math.sqrt(rows * D)).to(torch.bfloat16).to(device)
-    l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=device)
+    grad_out = _grad_out(rows, D, device, seed)
     for nnz in nnzs:
         inp = calibrated_ffn_inputs(rows, D, H, nnz, TAIL, seed=seed, device=device)
         leaves = [t.detach().clone().requires_grad_(True) for t in (inp.x, inp.w_gate, inp.w_up, inp.w_down)]
-
-        def step(fn):
-            out, l1 = fn(*leaves)
-            return torch.autograd.grad((out, l1), leaves, (grad_out, l1_grad.to(l1.dtype)))
-
-        t = time_alternating({"dense": lambda: step(dense), "sparse": lambda: step(sparse)}, device, reps=reps,
-                             warmup=warmup)
-        p = {"nnz": nnz, "active": nnz / H, "dense_ms": t["dense"].median_ms, "sparse_ms": t["sparse"].median_ms}
+        ms = _time_train_calls({"dense": dense, "sparse": sparse}, leaves, grad_out, device, reps, warmup)
+        p = {"nnz": nnz, "active": nnz / H, "dense_ms": ms["dense"], "sparse_ms": ms["sparse"]}
         p["speedup"] = p["dense_ms"] / p["sparse_ms"]
         cal.points.append(p)
         if progress is not None:
@@ -169,41 +189,25 @@ def time_layer(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     fastest route, but a sparse one only where it beats dense by ``margin``. Returns ``(record, hot)``: the
     record ``{"rows", "route", "dense_ms", "sparse_ms", "hot_ms" (None without a hot set), "hot_neurons",
     "hot_pair_share", "active_mean", "why"}`` (JSON-ready) and the hot set (None without one)."""
-    from twell.bench.ffn import L1_COEF, dense_train_ffn
+    from twell.bench.ffn import dense_train_ffn
     from twell.reference.training import choose_hot, gate_counts
-    from twell.timing import time_alternating
 
-    if impl == "kernel":
-        from twell.kernels.training import train_gated_ffn
-    elif impl == "reference":
-        from twell.reference.training import train_gated_ffn
-    else:
-        raise ValueError(f"impl must be 'kernel' or 'reference', got {impl!r}")
+    train_gated_ffn = _train_op(impl)
     if x.dim() != 2 or x.shape[0] < 1:
         raise ValueError(f"x must be [rows >= 1, D], got shape {tuple(x.shape)}")
     M, D = x.shape
     device = x.device
-    counts = gate_counts(x, w_gate)
+    # bf16, as the trainer hands the op a layer under autocast (its weights may be fp32)
+    leaves = [t.detach().to(torch.bfloat16).contiguous().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    counts = gate_counts(leaves[0], leaves[1])
     hot = choose_hot(counts, M, hot_min_freq) if hot_min_freq is not None else None
     if hot is not None and hot.numel() == 0:
         hot = None
-    # bf16, as the trainer hands the op a layer under autocast
-    leaves = [t.detach().to(torch.bfloat16).contiguous().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    grad_out = torch.randn(M, D, generator=g).div_(math.sqrt(M * D)).to(torch.bfloat16).to(device)
-    l1_grad = torch.tensor(L1_COEF, dtype=torch.float32, device=device)
-    dense = torch.compile(dense_train_ffn) if compiled_dense else dense_train_ffn
-
-    def step(fn):
-        out, l1 = fn(*leaves)
-        return torch.autograd.grad((out, l1), leaves, (grad_out, l1_grad.to(l1.dtype)))
-
-    calls = {"dense": lambda: step(dense),
-             "sparse": lambda: step(lambda *a: train_gated_ffn(*a)[:2])}
+    calls = {"dense": torch.compile(dense_train_ffn) if compiled_dense else dense_train_ffn,
+             "sparse": lambda *a: train_gated_ffn(*a)[:2]}
     if hot is not None:
-        calls["hot"] = lambda: step(lambda *a: train_gated_ffn(*a, hot=hot)[:2])
-    t = time_alternating(calls, device, reps=reps, warmup=warmup)
-    ms = {k: t[k].median_ms for k in calls}
+        calls["hot"] = lambda *a: train_gated_ffn(*a, hot=hot)[:2]
+    ms = _time_train_calls(calls, leaves, _grad_out(M, D, device, seed), device, reps, warmup)
     best = min((k for k in ms if k != "dense"), key=ms.get)
     route = best if ms["dense"] / ms[best] > margin else "dense"
     total = max(1, int(counts.sum()))

@@ -389,30 +389,20 @@ class Trainer:
         """train.sparse_routes timed: each layer's routes timed on its own input of this step's last micro-batch
         (an eager forward without gradients, hooks keeping each SparseFFN's input), then fixed by the timings
         (SparseTraining.set_route); one ``ffn-timed-routes`` event with every layer's record."""
-        from twell.nn.ffn import call_input
-        from twell.train.calibration import time_layer
+        from twell.nn.ffn import ffn_inputs
+        from twell.train.calibration import can_time, time_layer
 
         t = self.cfg.train
-        rows = ids.numel()
-        if rows < t.sparse_min_tokens or self.ffns[0]._no_train_layer():
+        if not can_time(self.ffns, ids.numel(), t.sparse_min_tokens):
             return  # such forwards (layers) train dense whatever the timings say
         inputs = [None] * len(self.ffns)
-
-        def keep(i):
-            def hook(module, args, kwargs):
-                x = call_input(args, kwargs)
-                inputs[i] = x.detach().reshape(-1, x.shape[-1]).to(torch.bfloat16)  # what the op sees
-            return hook
-
-        hooks = [f.register_forward_pre_hook(keep(i), with_kwargs=True) for i, f in enumerate(self.ffns)]
         ran = [f.last_route for f in self.ffns]  # the capture's inference routes are not what training ran
         t0 = time.time()
         try:
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"), self._autocast():
+            with (torch.no_grad(), torch.compiler.set_stance("force_eager"), self._autocast(),
+                  ffn_inputs(self.ffns, inputs.__setitem__)):
                 self.model(input_ids=ids, use_cache=False)
         finally:
-            for h in hooks:
-                h.remove()
             for f, r in zip(self.ffns, ran):
                 f.stats = None
                 f.last_route = r
