@@ -41,7 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("base"));
   // -- decoding
   m.def("decode_ffn", &decode_ffn, "gated FFN for a few rows: only the active neurons' up/down rows are read",
-        py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down_t"));
+        py::arg("x"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down_t"), py::arg("threshold") = 0.0,
+        py::arg("up_relu") = false);
   m.def("decode_max_rows", []() { return twell::kDecodeMaxRows; }, "the most rows decode_ffn takes");
   // -- training
   m.def("train_compact", &train_compact, "relu(g) compacted per row for the training kernels", py::arg("g"),
@@ -57,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heavy"), py::arg("ent"), py::arg("items"), py::arg("longs"), py::arg("sizes"), py::arg("slots"),
         py::arg("column_parts") = 0, py::arg("rows_done") = py::none());
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
+  m.def("train_heavy_grads", &train_heavy_grads, "the heavy rows' elementwise backward (h, du, dg)", py::arg("g"),
+        py::arg("u"), py::arg("ds"), py::arg("l1_grad") = py::none());
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");
   m.def("train_columns", &train_columns, "weight gradients from the column-sorted entries");
 }

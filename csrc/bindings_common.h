@@ -115,7 +115,7 @@ std::string union_unsupported(int64_t D, int64_t H);
 
 // -- decoding (bindings_decode.cpp) -------------------------------------------------------------------
 at::Tensor decode_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                      const at::Tensor& w_down_t);
+                      const at::Tensor& w_down_t, double threshold, bool up_relu);
 
 // -- training (bindings_train.cpp) --------------------------------------------------------------------
 std::vector<at::Tensor> train_compact(const at::Tensor& g, int64_t slots);
@@ -139,6 +139,8 @@ std::vector<at::Tensor> train_columns(const at::Tensor& ent, const at::Tensor& i
 std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& nnz, int64_t H, int64_t slots,
                                        int64_t chunk);
 at::Tensor transpose_bf16(const at::Tensor& w);
+std::vector<at::Tensor> train_heavy_grads(const at::Tensor& g, const at::Tensor& u, const at::Tensor& ds,
+                                          const c10::optional<at::Tensor>& l1_grad);
 std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                                       const at::Tensor& w_down, int64_t slots, int64_t chunk,
                                       const c10::optional<at::Tensor>& sizes_host);

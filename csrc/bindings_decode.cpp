@@ -1,14 +1,17 @@
 // Bindings of the decoding FFN (csrc/twell_decode.cu): the gated FFN for a few rows.
 #include "bindings_common.h"
 
+#include <cmath>
 #include <utility>
 
 namespace twell::bind {
 
 // The gated FFN for a few rows (decoding, twell_decode.cu): reads only the active neurons' up and
-// down weight rows. M <= kDecodeMaxRows.
+// down weight rows. M <= kDecodeMaxRows. threshold: FATReLU's (0: ReLU); up_relu: dReLU.
 at::Tensor decode_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
-                      const at::Tensor& w_down_t) {
+                      const at::Tensor& w_down_t, double threshold, bool up_relu) {
+  TORCH_CHECK(std::isfinite(threshold) && threshold >= 0, "twell.decode_ffn: threshold (FATReLU) must be finite and >= 0, got ",
+              threshold);
   check_bf16_matrix(x, "x");
   for (const auto& [w, name] : {std::pair{&w_gate, "w_gate"}, std::pair{&w_up, "w_up"},
                                 std::pair{&w_down_t, "w_down_t"}}) {
@@ -28,7 +31,7 @@ at::Tensor decode_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(twell::launch_decode_ffn(x.data_ptr(), w_gate.data_ptr(), w_up.data_ptr(), w_down_t.data_ptr(),
                                         out.data_ptr(), work.data_ptr(), int(M), int(D), int(H),
-                                        c10::cuda::getCurrentCUDAStream()),
+                                        c10::cuda::getCurrentCUDAStream(), float(threshold), up_relu),
                "decode_ffn");
   return out;
 }

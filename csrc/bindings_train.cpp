@@ -234,6 +234,17 @@ std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& 
   return {ent, items, longs, incl.select(1, H - 1).contiguous()};
 }
 
+namespace {
+void heavy_grads_into(const at::Tensor& g, const at::Tensor& u, const at::Tensor& ds,
+                      const c10::optional<at::Tensor>& l1_grad, at::Tensor& h, at::Tensor& du, at::Tensor& dg) {
+  const float* l1 = l1_grad.has_value() ? l1_grad->data_ptr<float>() : nullptr;
+  check_launch(twell::launch_train_heavy_grads(g.data_ptr(), u.data_ptr(), ds.data_ptr(), l1, h.data_ptr(),
+                                               du.data_ptr(), dg.data_ptr(), size_t(g.numel()),
+                                               c10::cuda::getCurrentCUDAStream()),
+               "train_backward (heavy rows' elementwise part)");
+}
+}  // namespace
+
 at::Tensor transpose_bf16(const at::Tensor& w) {
   check_bf16_matrix(w, "w");
   const c10::cuda::CUDAGuard guard(w.device());
@@ -242,6 +253,24 @@ at::Tensor transpose_bf16(const at::Tensor& w) {
                                             c10::cuda::getCurrentCUDAStream()),
                "transpose");
   return t;
+}
+
+// The heavy rows' elementwise backward (g, u, ds bf16 of one shape, contiguous; l1_grad fp32 [1] or absent):
+// (h, du, dg), the values of PyTorch's bf16 sequence relu, mul, sign * l1, add, mul, where (twell_train.cu).
+std::vector<at::Tensor> train_heavy_grads(const at::Tensor& g, const at::Tensor& u, const at::Tensor& ds,
+                                          const c10::optional<at::Tensor>& l1_grad) {
+  for (const at::Tensor* t : {&g, &u, &ds})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->sizes() == g.sizes() &&
+                    t->device() == g.device(),
+                "twell.train_heavy_grads: g, u and ds must be contiguous bf16 CUDA tensors of one shape and device");
+  if (l1_grad.has_value())
+    TORCH_CHECK(l1_grad->is_cuda() && l1_grad->device() == g.device() && l1_grad->scalar_type() == at::kFloat &&
+                    l1_grad->numel() == 1,
+                "twell.train_heavy_grads: l1_grad must be a float32 CUDA tensor of one element on g's device");
+  const c10::cuda::CUDAGuard guard(g.device());
+  at::Tensor h = at::empty_like(g), du = at::empty_like(g), dg = at::empty_like(g);
+  heavy_grads_into(g, u, ds, l1_grad, h, du, dg);
+  return {h, du, dg};
 }
 
 namespace {
@@ -318,8 +347,8 @@ std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_g
   return {out, row_l1, nnz, c[3].to(at::kBool), idx, val, f[1], f[2], heavy, wl[0], wl[1], wl[2], sizes, w_down_t};
 }
 
-// Heavy rows per chunk of the backward's elementwise part (its temporaries: about 8 x rows x H bf16).
-constexpr int64_t kHeavyChunkRows = 1024;
+// Heavy rows per chunk of the backward's recomputed gate and up (its temporaries: g, u and ds, 3 x rows x H bf16).
+constexpr int64_t kHeavyChunkRows = 2048;
 
 // Its backward: dx, d_w_gate, d_w_up, d_w_down. The light rows' kernel needs none of sizes, so it is
 // queued before the host reads them and the GPU works while the host waits. rows_done: that kernel's
@@ -370,21 +399,13 @@ std::vector<at::Tensor> train_backward(const at::Tensor& d_out, const c10::optio
     // dense PyTorch's memory (every row's values are its own; the GEMMs' sizes follow the chunks, which can
     // change cuBLAS's choice of kernel and so last bits, deterministically for a given heavy-row count).
     at::Tensor hh = at::empty({n_heavy, H}, xh.options()), duh = at::empty_like(hh), dgh = at::empty_like(hh);
-    const at::Tensor zero = at::zeros({}, xh.options());
-    // sign(h) * l1 rounded to bf16 is +-round(l1) or 0: the same values from a bf16 scalar, without fp32 temporaries
-    const c10::optional<at::Tensor> l1b =
-        l1_grad.has_value() ? c10::optional<at::Tensor>(l1_grad->to(xh.scalar_type()).reshape({})) : c10::nullopt;
     for (int64_t r0 = 0; r0 < n_heavy; r0 += kHeavyChunkRows) {
       const int64_t n = std::min(kHeavyChunkRows, n_heavy - r0);
       const at::Tensor xc = xh.narrow(0, r0, n);
       const at::Tensor gc = at::mm(xc, w_gate.t()), uc = at::mm(xc, w_up.t());
-      const at::Tensor gr = at::relu(gc);
+      const at::Tensor ds = at::mm(dyh.narrow(0, r0, n), w_down);
       at::Tensor hc = hh.narrow(0, r0, n), duc = duh.narrow(0, r0, n), dgc = dgh.narrow(0, r0, n);
-      at::mul_out(hc, gr, uc);
-      at::Tensor ds = at::mm(dyh.narrow(0, r0, n), w_down);
-      if (l1b.has_value()) ds.add_(at::sign(hc) * *l1b);
-      at::mul_out(duc, ds, gr);
-      dgc.copy_(at::where(gc.gt(0), ds * uc, zero));
+      heavy_grads_into(gc, uc, ds, l1_grad, hc, duc, dgc);  // row chunks of [n_heavy, H]: contiguous
     }
     // each product as soon as its operands are complete, each operand freed after its last use
     pd = at::mm(hh.t(), dyh);

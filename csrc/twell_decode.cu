@@ -52,6 +52,8 @@ struct Params {
   uint32_t* counters;   // [D / COLS], zero between calls (gate_up zeroes them, the last CTA resets)
   float* partial;       // [SPLITS, M, D]
   int M, D, H, n_groups;
+  float threshold;      // FATReLU: a neuron is active where its bf16 gate is above bf16(threshold); 0: ReLU
+  bool up_relu;         // dReLU: ReLU on the up product too; active where both are positive
 };
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -218,20 +220,24 @@ __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < p.D / COLS; i += blockDim.x) p.counters[i] = 0;
-  if (threadIdx.x == 0) *mask = 0;
+  if (threadIdx.x == 0) mask[0] = mask[1] = 0;
   float acc[NT][4];
   group_product<NT>(p.w_gate, n0, rows, p.x, p.M, p.D, kc, warp, lane, stage, bar, phase, true, acc);
   reduce_warps<NT>(acc, part, gate, warp, lane);
+  // The gate rounded to bf16 as dense rounds it, active where not <= bf16(threshold): a NaN stays (an
+  // active entry, as in dense), and threshold 0 is ReLU.
+  const float thr = __bfloat162float(__float2bfloat16_rn(p.threshold));
   for (int v = threadIdx.x; v < GROUP * MP; v += blockDim.x) {
     const int neuron = v / MP, row = v % MP;
-    const float r = __bfloat162float(relu_bf16(gate[v]));  // NaN stays (an active entry, as in dense)
-    const bool on = n0 + neuron < p.H && row < p.M && (r > 0.f || r != r);
+    const float r = __bfloat162float(__float2bfloat16_rn(gate[v]));
+    const bool on = n0 + neuron < p.H && row < p.M && !(r <= thr);
     gate[v] = on ? r : 0.f;
     if (on) atomicOr(mask, 1u << neuron);
   }
   __syncthreads();
   const uint32_t m = *mask;
-  if (threadIdx.x == 0) p.gmask[blockIdx.x] = m;
+  // dReLU lists for the down kernel only the neurons whose h is nonzero somewhere (set after h, below)
+  if (threadIdx.x == 0 && (!p.up_relu || m == 0)) p.gmask[blockIdx.x] = m;
   if (m == 0) return;
   // The staging area (last written as the warps' partial sums) is reused: group_product fences and
   // synchronises the CTA before the copies.
@@ -242,6 +248,7 @@ __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
     const int neuron = v / NT, t = v % NT;
     if (!((m >> neuron) & 1)) continue;
     uint32_t w[4];
+    bool any = false;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int i0 = neuron * MP + t * 8 + 2 * j;
@@ -249,12 +256,23 @@ __global__ void __launch_bounds__(WARPS * 32, 3) gate_up_kernel(Params p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float gv = gate[i0 + e];
-        const float u = __bfloat162float(__float2bfloat16_rn(up[i0 + e]));
-        h2[e] = __float2bfloat16_rn(gv == 0.f ? 0.f : gv * u);
+        float u = __bfloat162float(__float2bfloat16_rn(up[i0 + e]));
+        bool on = gv != 0.f;  // the gate's activity (an inactive entry's gate is 0 here; an active one's is not)
+        if (p.up_relu) {      // ReLU on u, NaN kept
+          on = on && !(u <= 0.f);
+          u = on ? u : 0.f;
+        }
+        any = any || on;
+        h2[e] = __float2bfloat16_rn(on ? gv * u : 0.f);
       }
       w[j] = pack_bf16x2(h2[0], h2[1]);
     }
     *reinterpret_cast<uint4*>(p.h_t + size_t(n0 + neuron) * MP + t * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (p.up_relu && any) atomicOr(mask + 1, 1u << neuron);
+  }
+  if (p.up_relu) {
+    __syncthreads();
+    if (threadIdx.x == 0) p.gmask[blockIdx.x] = mask[1];
   }
 }
 
@@ -403,9 +421,11 @@ size_t decode_workspace_bytes(int M, int D, int H) {
 }
 
 cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t, void* out,
-                              void* workspace, int M, int D, int H, cudaStream_t stream) {
-  if (M < 1 || M > kDecodeMaxRows || D % dec::COLS != 0 || D <= 0 || H < 1 || H > kDecodeMaxH) {
-    set_error("decode FFN: needs 1 <= M <= 32, D a positive multiple of 64, 1 <= H <= 2^18");
+                              void* workspace, int M, int D, int H, cudaStream_t stream, float threshold,
+                              bool up_relu) {
+  if (M < 1 || M > kDecodeMaxRows || D % dec::COLS != 0 || D <= 0 || H < 1 || H > kDecodeMaxH ||
+      !(threshold >= 0.f && threshold <= 3.0e38f)) {
+    set_error("decode FFN: needs 1 <= M <= 32, D a positive multiple of 64, 1 <= H <= 2^18, a finite threshold >= 0");
     return cudaErrorInvalidValue;
   }
   dec::Params p;
@@ -418,6 +438,8 @@ cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_u
   p.D = D;
   p.H = H;
   p.n_groups = (H + dec::GROUP - 1) / dec::GROUP;
+  p.threshold = threshold;
+  p.up_relu = up_relu;
   const int NT = dec::tiles_for(M), MP = NT * 8;
   char* base = static_cast<char*>(workspace);
   p.h_t = reinterpret_cast<__nv_bfloat16*>(base);

@@ -107,14 +107,16 @@ cudaError_t launch_union_mma(const void* x, const uint32_t* tw, const uint32_t* 
                              int S, cudaStream_t stream);
 
 // Decoding (twell_decode.cu): the gated FFN for 1 <= M <= kDecodeMaxRows rows, reading only the active
-// neurons' up and down weight rows. x bf16 [M, D], w_gate and w_up [H, D], w_down_t [H, D], out [M, D];
+// neurons' up and down weight rows; ReLU, FATReLU (threshold > 0: active where bf16(g) > bf16(threshold)) or
+// dReLU (up_relu: ReLU on the up product too; the down rows read only where both are positive). x bf16 [M, D], w_gate and w_up [H, D], w_down_t [H, D], out [M, D];
 // D a positive multiple of 64; workspace: decode_workspace_bytes(M, D, H) bytes, 16-byte aligned, no
 // initialisation needed. Two kernels, no host synchronisation; deterministic.
 constexpr int kDecodeMaxRows = 32;
 constexpr int kDecodeMaxH = 1 << 18;  // the down kernel lists a range of neuron groups in shared memory
 size_t decode_workspace_bytes(int M, int D, int H);
 cudaError_t launch_decode_ffn(const void* x, const void* w_gate, const void* w_up, const void* w_down_t, void* out,
-                              void* workspace, int M, int D, int H, cudaStream_t stream);
+                              void* workspace, int M, int D, int H, cudaStream_t stream, float threshold = 0.f,
+                              bool up_relu = false);
 
 // Detail of the last failure that is not a plain CUDA error (e.g. tensor-map encoding).
 // Training kernels (csrc/twell_train.cu). Rows: forward (x, w0 = w_up, w1 = w_down_t; out, s0 = u,
@@ -174,6 +176,10 @@ cudaError_t launch_train_sort(void* temp, size_t* temp_bytes, const int* in, int
 // for q < *count.
 cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float* l1_part, int tiles, float* row_l1,
                                   int M, cudaStream_t stream);
+// The heavy rows' elementwise backward (n values of g, u and ds = dy W_down, bf16): h = relu(g) * u,
+// du, dg with ds + sign(h) * bf16(*l1_grad) (l1_grad null: no L1 term), rounded as PyTorch's bf16 ops.
+cudaError_t launch_train_heavy_grads(const void* g, const void* u, const void* ds, const float* l1_grad, void* h,
+                                     void* du, void* dg, size_t n, cudaStream_t stream);
 cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,
                               int* item_lo, int* item_hi, int* item_part, int* long_col, int* long_lo, int* long_n,
                               bool fill, cudaStream_t stream);

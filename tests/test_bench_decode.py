@@ -66,3 +66,27 @@ def test_record_holds_the_run_environment_and_marks_a_dirty_tree(tmp_path, monke
     saved = json.loads(jpath.read_text())["meta"]
     assert saved["allow_dirty"] is True and saved["code"]["dirty"] is True and saved["code"]["diff_digest"] == "e" * 16
     assert "> LOCAL CHANGES (allowed by allow_dirty): 1 paths" in mpath.read_text()
+
+
+@pytest.mark.parametrize("gate", ["fatrelu", "drelu"])
+def test_gate_variants_keep_the_case_activity_and_are_checked_against_their_dense(tmp_path, gate):
+    """FATReLU keeps the case's activity (the gate bias moves by the threshold); dReLU keeps the gate's and makes
+    about up_active of the up values positive; the op's answer is checked against the variant's dense layer, and
+    the paths that cannot run the variant are skipped with the reason."""
+    from twell.bench.decode import run_decode_bench
+
+    cfg = DecodeBenchConfig(rows=(1, 8), cases=("nnz60",), D=128, H=600, reps=1, warmup=0, device="cpu",
+                            energy_rows=(), gate=gate, threshold=0.2, up_active=0.3)
+    res = run_decode_bench(cfg, progress=False, allow_dirty=True)
+    assert res["failures"] == []
+    for r in res["rows"]:
+        assert r["gate"] == gate and "twell-kernel" in r["skipped"] and "auto" in r["skipped"]
+        assert r["impls"]["decode-kernel (reference)"]["rel_err"] < 1e-2
+        if gate == "fatrelu":
+            assert 45 <= r["nnz_measured"] <= 75, r["nnz_measured"]
+        else:  # positive in both: about 0.3 of the gate's 60
+            assert 8 <= r["nnz_measured"] <= 30 and r["union"] <= r["gate_union"], r
+    with pytest.raises(ValueError, match="gate"):
+        DecodeBenchConfig(gate="silu")
+    with pytest.raises(ValueError, match="threshold"):
+        DecodeBenchConfig(gate="fatrelu", threshold=-1.0)

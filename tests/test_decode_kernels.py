@@ -262,3 +262,51 @@ def test_choose_row_paths_times_each_layer_on_the_gpu():
         assert sorted(r["times"]) == [1, 16, 64]
         assert all(t["dense"] > 0 and t["sparse"] > 0 for t in r["times"].values())
         assert (f.decode_rows, f.dense_rows) == (r["decode_rows"], r["dense_rows"])
+
+
+def _variant_dense_fp32(x, w_gate, w_up, w_down_t, threshold, up_relu):
+    """The gate variant in fp32 on the bf16-rounded gate and up values (twell.reference.gates)."""
+    from twell.reference.gates import hidden
+
+    xf = x.float()
+    g = (xf @ w_gate.float().t()).to(torch.bfloat16).float()
+    u = (xf @ w_up.float().t()).to(torch.bfloat16).float()
+    return hidden(g, u, float(torch.tensor(threshold).to(torch.bfloat16)), up_relu) @ w_down_t.float()
+
+
+@pytest.mark.parametrize("threshold,up_relu", [(0.01, False), (0.8, False), (0.0, True), (0.5, True)])
+@pytest.mark.parametrize("M,D,H", [(1, 4096, 11008), (3, 1536, 3840), (8, 256, 320), (20, 64, 17)])
+def test_gate_variants(threshold, up_relu, M, D, H):
+    """FATReLU and dReLU: the kernel near the reference and the variant's fp32 truth, and the variant changes
+    the answer (a kernel that ignored it would fail)."""
+    x, wg, wu, wdt = _weights(M, D, H, seed=M + D + H)
+    got = kernels.decode_gated_ffn(x, wg, wu, wdt, threshold=threshold, up_relu=up_relu)
+    ref = decode_gated_ffn(x, wg, wu, wdt, threshold=threshold, up_relu=up_relu)
+    truth = _variant_dense_fp32(x, wg, wu, wdt, threshold, up_relu)
+    relu = _dense_fp32(x, wg, wu, wdt)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < 1e-2 and _rel(got, truth) < 1e-2
+    if threshold > 0.1 or up_relu:
+        assert _rel(relu, truth) > 0.05  # the variant is not ReLU on these inputs
+    # deterministic, and the same as the op's trusted entry (SparseFFN's)
+    assert torch.equal(kernels.decode_gated_ffn_trusted(x, wg, wu, wdt, threshold, up_relu), got)
+
+
+def test_drelu_skips_down_rows_where_the_up_product_is_not_positive():
+    """A neuron whose gate is positive but whose up product is not, on every row: its down row is not read
+    (a NaN there would otherwise reach the output, as 0 x NaN); under ReLU the same row is read."""
+    x, wg, wu, wdt = _weights(2, 256, 64, seed=3)
+    wg[5] = x[0] + x[1]  # gate positive on both rows
+    wu[5] = -(x[0] + x[1])  # up negative on both
+    wdt[5] = float("nan")
+    out = kernels.decode_gated_ffn(x, wg, wu, wdt, up_relu=True)
+    assert torch.isfinite(out).all()
+    assert _rel(out, decode_gated_ffn(x, wg, wu, wdt, up_relu=True)) < 1e-2
+    assert torch.isnan(kernels.decode_gated_ffn(x, wg, wu, wdt)).all()
+
+
+def test_bad_thresholds():
+    x, wg, wu, wdt = _weights(1, 64, 32, seed=1)
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="threshold"):
+            kernels.decode_gated_ffn(x, wg, wu, wdt, threshold=bad)

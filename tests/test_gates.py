@@ -92,7 +92,6 @@ def test_kernel_ops_refuse_the_variants_before_any_work():
         (lambda: kernels.twell_gate(x, wg, threshold=0.01), "FATReLU"),
         (lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, threshold=0.01), "FATReLU"),
         (lambda: kernels.sparse_gated_ffn(x, wg, wu, wdt, up_relu=True), "dReLU"),
-        (lambda: kernels.decode_gated_ffn(x, wg, wu, wdt, up_relu=True), "dReLU"),
         (lambda: kernels.twell_gated_ffn(x, reference.twell_gate(x, wg), wu, wdt, up_relu=True), "dReLU"),
         (lambda: kernel_train(x, wg, wu, wd, threshold=0.03), "FATReLU"),
     ]

@@ -158,6 +158,16 @@ def test_training_kernel_bench_table_and_figures(tmp_path):
     captured = sorted((repo_root() / "reports" / "bench").glob("ffn-*-captured.json"))[-1]
     shutil.copy(captured, tmp_path / captured.name)
     assert training_kernel_bench(tmp_path)[1].name == src.name
+    # so is a newer record of fewer cases: the full table stays
+    partial = json.loads(src.read_text())
+    partial["cases"] = [c for c in partial["cases"] if c["case"]["kind"] == "train"][:1]
+    partial["meta"]["timestamp"] = "9999-12-31T00:00:00+00:00"
+    (tmp_path / "ffn-partial.json").write_text(json.dumps(partial))
+    assert training_kernel_bench(tmp_path)[1].name == src.name
+    full = json.loads(src.read_text())
+    full["meta"]["timestamp"] = "9999-12-31T00:00:00+00:00"
+    (tmp_path / "ffn-newer-full.json").write_text(json.dumps(full))
+    assert training_kernel_bench(tmp_path)[1].name == "ffn-newer-full.json"
     recs = [{"kind": "train", "step": s, "tok_s": 1000.0 + s, "active_frac": 0.5 / s, "peak_mem_mb": 10.0,
              "ce": 1.0} for s in range(1, 30)]
     recs.append({"kind": "event", "step": 12, "event": "ffn-routes", "routes": ["sparse"]})

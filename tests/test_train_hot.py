@@ -213,7 +213,7 @@ def test_model_bench_chooses_hot_sets_for_sparse_layers(tmp_path):
 
 
 def test_time_layer_times_every_route_and_picks_the_fastest():
-    from twell.train.calibration import LAYER_ROUTES, time_layer
+    from twell.train.calibration import LAYER_ROUTES, ROUTE_MARGIN, time_layer
 
     x, wg, wu, wd = _layer(512, 32, 256, seed=4, bias=-2.5)
     wg[:16, 0] = 1.0  # 16 neurons on every row: a hot set
@@ -224,7 +224,13 @@ def test_time_layer_times_every_route_and_picks_the_fastest():
     ms = {"dense": rec["dense_ms"], "sparse": rec["sparse_ms"], "hot": rec["hot_ms"]}
     assert all(v > 0 for v in ms.values())
     best = min(("sparse", "hot"), key=ms.get)
-    assert rec["route"] == (best if ms["dense"] / ms[best] > 1.0 else "dense")
+    assert rec["margin"] == ROUTE_MARGIN > 1.0
+    assert rec["route"] == (best if ms["dense"] / ms[best] > ROUTE_MARGIN else "dense")
+    # the margin decides: never sparse under an unreachable one, always the fastest sparse route at none
+    assert time_layer(x, wg, wu, wd, impl="reference", hot_min_freq=0.05, reps=1, warmup=0,
+                      margin=1e9)[0]["route"] == "dense"
+    rec0, _ = time_layer(x, wg, wu, wd, impl="reference", hot_min_freq=0.05, reps=1, warmup=0, margin=0.0)
+    assert rec0["route"] == min(("sparse", "hot"), key=lambda k: rec0[f"{k}_ms"])
     json.dumps(rec)  # the record is JSON-ready (the set comes separately)
     rec, hot = time_layer(x, wg, wu, wd, impl="reference", reps=1, warmup=0)
     assert hot is None and rec["hot_ms"] is None and rec["route"] in ("dense", "sparse")

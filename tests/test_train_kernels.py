@@ -129,6 +129,42 @@ def test_all_rows_heavy_past_any_capacity():
     assert bool((nnz > 8).all())
 
 
+def _heavy_grads_torch(g, u, ds, l1_grad):
+    """The heavy rows' elementwise backward as PyTorch's bf16 operations compute it."""
+    gr = torch.relu(g)
+    h = gr * u
+    if l1_grad is not None:
+        ds = ds + torch.sign(h) * l1_grad.to(torch.bfloat16).reshape(())
+    return h, ds * gr, torch.where(g > 0, ds * u, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+@pytest.mark.parametrize("rows,H", [(1, 8), (3, 5), (64, 5632), (1031, 1408), (2049, 640)])
+@pytest.mark.parametrize("with_l1", [True, False])
+def test_heavy_rows_elementwise_backward_is_pytorchs_bit_for_bit(rows, H, with_l1):
+    """The fused elementwise pass of the heavy rows' backward gives PyTorch's bf16 sequence bit for bit,
+    vectorised (rows x H a multiple of 8) or not, with zeros, -0, NaN and infinities among the inputs."""
+    from twell.kernels.build import load
+
+    gen = torch.Generator(device="cpu").manual_seed(rows * H)
+    g, u, ds = (torch.randn(rows, H, generator=gen).mul_(3).to(torch.bfloat16).cuda() for _ in range(3))
+    g.view(-1)[::7] = 0.0
+    g.view(-1)[1::11] = -0.0
+    u.view(-1)[2::13] = 0.0
+    if g.numel() > 40:
+        g.view(-1)[17] = float("nan")
+        u.view(-1)[23] = float("inf")
+        ds.view(-1)[31] = float("-inf")
+    l1 = torch.tensor([0.0123], device="cuda") if with_l1 else None
+    got = load().train_heavy_grads(g, u, ds, l1)
+    want = _heavy_grads_torch(g, u, ds, l1)
+    for a, b in zip(got, want):  # NaN where PyTorch's is NaN (their payloads differ), every other bit equal
+        assert torch.equal(a.isnan(), b.isnan())
+        ok = ~b.isnan()
+        assert torch.equal(a[ok].view(torch.int16), b[ok].view(torch.int16))
+    with pytest.raises(RuntimeError, match="one shape"):
+        load().train_heavy_grads(g, u[:, :1].contiguous(), ds, l1)
+
+
 def test_no_host_sync_where_d_is_a_multiple_of_64():
     """The forward queues its work without waiting for the GPU (heavy rows included), and so does the
     backward but for its wait on the forward's end event (which the debug mode does not flag); D not a
@@ -416,7 +452,7 @@ def test_a_layer_hands_its_hot_set_to_the_op(monkeypatch):
 
 def test_time_layer_picks_the_fastest_route_it_timed():
     """Per-layer timing on the layer's own rows: every route timed on the kernels, the choice the fastest of
-    its own timings, and a sparse choice only where it beat dense."""
+    its own timings, and a sparse choice only where it beat dense (by the margin)."""
     from twell.train.calibration import time_layer
 
     x, wg, wu, wd = _random(8192, 512, 1408, bias=-2.5, seed=11)
@@ -427,6 +463,6 @@ def test_time_layer_picks_the_fastest_route_it_timed():
     ms = {"dense": rec["dense_ms"], "sparse": rec["sparse_ms"], "hot": rec["hot_ms"]}
     fastest_sparse = min(("sparse", "hot"), key=ms.get)
     if rec["route"] == "dense":
-        assert ms[fastest_sparse] >= ms["dense"]
+        assert ms[fastest_sparse] * rec["margin"] >= ms["dense"]
     else:
-        assert rec["route"] == fastest_sparse and ms[fastest_sparse] < ms["dense"]
+        assert rec["route"] == fastest_sparse and ms[fastest_sparse] * rec["margin"] < ms["dense"]

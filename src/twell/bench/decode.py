@@ -16,10 +16,17 @@ so that launch overhead does not decide the comparison and with L2 overwritten b
 Each row records the measured active neurons per row and the union over the rows (the up and down
 rows that must be read), the relative error of every output against dense (outputs poisoned with
 NaN before the checked replay), and optionally NVML energy per token.
+
+``gate``: "relu" (default), "fatrelu" or "drelu" (twell.reference.gates). FATReLU keeps each case's activity:
+the gate's bias moves by ``threshold``, so that ``g > threshold`` holds about where the ReLU case had ``g > 0``.
+dReLU keeps the gate's activity and biases the up projection so that ``up_active`` of its values are positive
+(the active neurons are then those positive in both). The dense side computes the same variant; only the
+decoding op runs the variants (the others are skipped with the reason).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +53,7 @@ def case_nnz(case: str) -> float:
         raise ValueError(f"unknown case {case!r}: {sorted(DECODE_NNZ)} or nnz<N> (N active neurons per row, N > 0)")
     return float(m.group(1))
 IMPLS = ("decode-kernel", "twell-kernel", "auto")
+GATES = ("relu", "fatrelu", "drelu")
 
 
 @dataclass
@@ -64,8 +72,17 @@ class DecodeBenchConfig:
     energy_rows: tuple[int, ...] = (1, 16)  # energy loops only at these M (2 s per implementation each)
     energy_seconds: float = 2.0
     tol: float = 1e-2
+    gate: str = "relu"
+    threshold: float = 0.01  # FATReLU's (gate "fatrelu" only)
+    up_active: float = 0.3   # dReLU: fraction of up values made positive (gate "drelu" only)
 
     def __post_init__(self):
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if not (math.isfinite(self.threshold) and self.threshold > 0):
+            raise ValueError(f"threshold must be finite and > 0, got {self.threshold!r}")
+        if not 0 < self.up_active < 1:
+            raise ValueError(f"up_active must be in (0, 1), got {self.up_active!r}")
         for c in self.cases:
             if case_nnz(c) > self.H:
                 raise ValueError(f"case {c!r} asks for more active neurons than H={self.H}")
@@ -86,9 +103,42 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
 
 
+def gate_kwargs(cfg: DecodeBenchConfig) -> dict:
+    """The ops' gate keywords of ``cfg.gate`` ({} for ReLU)."""
+    return {"relu": {}, "fatrelu": {"threshold": cfg.threshold}, "drelu": {"up_relu": True}}[cfg.gate]
+
+
+def variant_inputs(cfg: DecodeBenchConfig, x, w_gate, w_up) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_gate, w_up) for ``cfg.gate`` from the ReLU case's (x[:, 0] is the generator's constant feature, whose
+    weights are the biases): FATReLU's gate bias moved up by the threshold, dReLU's up bias set so that
+    ``up_active`` of the up values are positive. ReLU: unchanged."""
+    from twell.bench.generator import bisect_bias
+
+    if cfg.gate == "fatrelu":
+        w_gate = w_gate.clone()
+        w_gate[:, 0] += cfg.threshold  # g + t > t where g > 0 (up to bf16 rounding; the row measures it)
+    elif cfg.gate == "drelu":
+        w_up = w_up.clone()
+        w_up[:, 0] = 0
+        u = F.linear(x, w_up).float()
+        w_up[:, 0] = -bisect_bias(u, cfg.up_active * u.numel())
+    return w_gate, w_up
+
+
+def _dense_fn(cfg: DecodeBenchConfig, x, w_gate, w_up, w_down) -> Callable[[], torch.Tensor]:
+    """The dense layer of ``cfg.gate``, as PyTorch runs it."""
+    if cfg.gate == "fatrelu":
+        t = cfg.threshold
+        return lambda: F.linear(F.threshold(F.linear(x, w_gate), t, 0.0) * F.linear(x, w_up), w_down)
+    if cfg.gate == "drelu":
+        return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.relu(F.linear(x, w_up)), w_down)
+    return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
 def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tuple[dict, dict]:
     """({impl: fn}, {impl: why unavailable}) for M rows."""
     fns, skipped = {}, {}
+    kw = gate_kwargs(cfg)
     on_cuda = x.is_cuda
     if on_cuda:
         from twell import kernels
@@ -101,11 +151,13 @@ def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tu
             if M > DECODE_MAX_ROWS:
                 skipped[name] = f"takes at most {DECODE_MAX_ROWS} rows"
             elif ok:
-                fns[name] = lambda: kernels.decode_gated_ffn(x, w_gate, w_up, w_down_t)
+                fns[name] = lambda: kernels.decode_gated_ffn(x, w_gate, w_up, w_down_t, **kw)
             else:
                 from twell.reference import decode_gated_ffn
 
-                fns[name + " (reference)"] = lambda: decode_gated_ffn(x, w_gate, w_up, w_down_t)
+                fns[name + " (reference)"] = lambda: decode_gated_ffn(x, w_gate, w_up, w_down_t, **kw)
+        elif kw:
+            skipped[name] = f"gate {cfg.gate}: only the decoding op runs it on the kernels"
         elif name == "twell-kernel":
             if ok:
                 fns[name] = lambda: kernels.sparse_gated_ffn(x, w_gate, w_up, w_down_t)
@@ -162,14 +214,18 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True, allow_dirty:
     for case, M in work:
         inp = calibrated_ffn_inputs(M, cfg.D, cfg.H, case_nnz(case), tail=0.0, seed=cfg.seed + M, device=device)
         x, w_gate, w_up, w_down = inp.x, inp.w_gate, inp.w_up, inp.w_down
+        w_gate, w_up = variant_inputs(cfg, x, w_gate, w_up)
         w_down_t = w_down.t().contiguous()
         with torch.no_grad():
-            active = F.linear(x, w_gate) > 0
-        row = {"case": case, "M": M, "nnz_target": case_nnz(case),
-               "nnz_measured": float(active.sum(1).float().mean()), "union": int(active.any(0).sum()), "impls": {}}
+            from twell.reference.gates import active as gate_active
 
-        def dense():
-            return F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+            thr = cfg.threshold if cfg.gate == "fatrelu" else 0.0
+            g_on = gate_active(F.linear(x, w_gate), None, thr)
+            active = g_on & (F.linear(x, w_up) > 0) if cfg.gate == "drelu" else g_on
+        row = {"case": case, "M": M, "gate": cfg.gate, "nnz_target": case_nnz(case),
+               "nnz_measured": float(active.sum(1).float().mean()), "union": int(active.any(0).sum()),
+               "gate_union": int(g_on.any(0).sum()), "impls": {}}
+        dense = _dense_fn(cfg, x, w_gate, w_up, w_down)
 
         fns, skipped = _candidates(cfg, M, x, w_gate, w_up, w_down_t)
         fns = {"dense": dense, **fns}
@@ -225,8 +281,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True, allow_dirty:
 def markdown_report(result: dict) -> str:
     meta = result["meta"]
     cfg = meta["config"]
+    gate = cfg.get("gate", "relu")
+    variant = {"relu": "", "fatrelu": f"; gate FATReLU, threshold {cfg.get('threshold')}",
+               "drelu": f"; gate dReLU, {cfg.get('up_active')} of up values positive (active/row and union: "
+                        "positive in both; the up rows read are the gate's union)"}[gate]
     lines = [f"# Decoding FFN benchmark ({meta['device_name']}, {meta['timestamp']})", "",
-             f"D {cfg['D']}, H {cfg['H']}; calibrated generator; median of {cfg['reps']} reps, "
+             f"D {cfg['D']}, H {cfg['H']}{variant}; calibrated generator; median of {cfg['reps']} reps, "
              f"{'CUDA graph replays' if meta['graphs'] else 'eager calls'}, L2 "
              f"{'overwritten' if cfg['flush_l2'] else 'kept'} before each call; clock: {meta['clock']}.", ""]
     if meta.get("code"):
@@ -278,7 +338,8 @@ def config_from_args(args) -> DecodeBenchConfig:
         rows=tuple(args.M), cases=tuple(args.cases), D=args.D, H=args.H, impls=tuple(args.impl), reps=args.reps,
         warmup=args.warmup, seed=args.seed, device=args.device, graphs=not args.no_graphs,
         flush_l2=not args.no_flush_l2, energy_rows=() if args.no_energy else tuple(args.energy_M),
-        energy_seconds=args.energy_seconds, tol=args.tol)
+        energy_seconds=args.energy_seconds, tol=args.tol, gate=args.gate, threshold=args.threshold,
+        up_active=args.up_active)
 
 
 def add_arguments(p) -> None:
@@ -302,3 +363,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--tag", default="")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--gate", choices=GATES, default="relu", help="the gate variant (twell.reference.gates)")
+    p.add_argument("--threshold", type=float, default=0.01, help="FATReLU's gate threshold (--gate fatrelu)")
+    p.add_argument("--up-active", type=float, default=0.3,
+                   help="dReLU: fraction of the up values made positive (--gate drelu)")

@@ -488,7 +488,8 @@ def _train_steps(model, ids: torch.Tensor, steps: int, warmup: int, coef: float,
                 if backend.route(f) == "sparse":
                     backend.set_hot(f, choose_hot(counts, rows, hot_min_freq))
         del seen
-        routes = [backend.route(f) for f in ffns]
+        # "hot": a sparse route with hot neurons
+        routes = ["hot" if backend.layer(f).hot is not None else backend.route(f) for f in ffns]
     if compile_layers:
         from torch._dynamo.utils import counters
         from twell.train.parallel import apply_compile
@@ -678,7 +679,8 @@ def markdown_report(res: dict) -> str:
                      f"| {_fmt(s.get('joules_per_token'), '.3g')} |")
     tr = [r for r in res["rows"] if r["measure"] in ("training", "training-compiled")]
     if tr and tr[0]["sparse"].get("routes"):
-        lines += ["", f"Training routes of the sparse side (from its activity on these tokens): {tr[0]['sparse']['routes']}"]
+        lines += ["", f"Training routes of the sparse side (from its activity on these tokens, or timed per layer): "
+                  f"{tr[0]['sparse']['routes']}"]
         if tr[0]["sparse"].get("notes"):
             lines.append(f"Notes of the sparse side's training: {'; '.join(tr[0]['sparse']['notes'])}")
         if tr[0]["measure"] == "training-compiled":

@@ -34,6 +34,7 @@ from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
 from twell.kernels.build import available, load
 from twell.reference.decode import check_decode_args
+from twell.reference.gates import check_gate_settings
 from twell.reference.gates import kernel_gate_unsupported as gate_unsupported
 from twell.reference.ffn import (
     DENSE_CAP, GATE_CLUSTER, SPARSE_FFN_COMPRESSION, UNION_OFF, UNION_RULE, check_dense_cap, check_ffn_args,
@@ -276,19 +277,21 @@ def sparse_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
 
 
 @torch.library.custom_op("twell::decode_ffn", mutates_args=())
-def _decode_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
-    return load().decode_ffn(x, w_gate, w_up, w_down_t)
+def _decode_ffn_op(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, threshold: float = 0.0,
+                   up_relu: bool = False) -> Tensor:
+    return load().decode_ffn(x, w_gate, w_up, w_down_t, threshold, up_relu)
 
 
 @_decode_ffn_op.register_fake
-def _(x, w_gate, w_up, w_down_t):
+def _(x, w_gate, w_up, w_down_t, threshold=0.0, up_relu=False):
     return x.new_empty(x.shape)
 
 
 def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, *, threshold: float = 0.0,
                      up_relu: bool = False) -> Tensor:
-    """The gated FFN for 1 to ``DECODE_MAX_ROWS`` rows (token-by-token generation), bf16 [M, D].
-    ReLU gates only: ``threshold`` (FATReLU) and ``up_relu`` (dReLU) other than their defaults raise.
+    """The gated FFN for 1 to ``DECODE_MAX_ROWS`` rows (token-by-token generation), bf16 [M, D], for every gate
+    variant: ReLU, FATReLU (``threshold``: a neuron is active where its bf16 gate is above it) and dReLU
+    (``up_relu``: ReLU on the up product too; the down rows are read only where both are positive).
 
     Reads ``w_gate`` in full and only the active neurons' rows of ``w_up`` and ``w_down_t``: two
     kernels (csrc/twell_decode.cu), no host synchronisation, deterministic, so it runs under CUDA
@@ -297,23 +300,23 @@ def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     The gate kernel starts copying ``w_gate`` before the kernel launched just before it has finished (it
     reads x only after): do not write ``w_gate`` in place in the kernel right before this call on the same
     stream (e.g. an optimizer step); anything earlier is complete."""
-    if threshold or up_relu:
-        _raise_if(gate_unsupported(threshold, up_relu))
+    threshold, up_relu = check_gate_settings(threshold, up_relu)
     check_decode_args(x, w_gate, w_up, w_down_t)
     _kernel_checks(x)
     check_aligned(x=x, w_gate=w_gate, w_up=w_up, w_down_t=w_down_t)
-    return _decode_ffn_op(x, w_gate, w_up, w_down_t)
+    return _decode_ffn_op(x, w_gate, w_up, w_down_t, threshold, up_relu)
 
 
-def decode_gated_ffn_trusted(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor) -> Tensor:
+def decode_gated_ffn_trusted(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, threshold: float = 0.0,
+                             up_relu: bool = False) -> Tensor:
     """:func:`decode_gated_ffn` without its Python checks, for a caller that has validated these tensors
-    (``SparseFFN`` on its kernel route: bf16 CUDA, contiguous and aligned, the layer's shapes). The
-    extension still checks every tensor and raises on anything it cannot run; eager calls also skip
+    and settings (``SparseFFN`` on its kernel route: bf16 CUDA, contiguous and aligned, the layer's shapes).
+    The extension still checks every tensor and raises on anything it cannot run; eager calls also skip
     the custom op's dispatch (compiled code traces the op). About 25 us less host time per call, which
     a token-by-token loop on the host pays once per layer."""
     if torch.compiler.is_compiling():
-        return _decode_ffn_op(x, w_gate, w_up, w_down_t)
-    return load().decode_ffn(x, w_gate, w_up, w_down_t)
+        return _decode_ffn_op(x, w_gate, w_up, w_down_t, threshold, up_relu)
+    return load().decode_ffn(x, w_gate, w_up, w_down_t, threshold, up_relu)
 
 
 def union_unsupported(D: int, H: int) -> str:

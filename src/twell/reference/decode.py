@@ -45,7 +45,8 @@ def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     A NaN gate value counts as active (it reaches the output, as relu(NaN) does in dense PyTorch);
     an inactive neuron contributes exactly nothing (its up and down rows are not read). ``threshold``
     (FATReLU: active where the bf16 gate is above it) and ``up_relu`` (dReLU: ReLU on the up product
-    too) pick the gate variant (twell.reference.gates)."""
+    too; a neuron whose up product is not positive on any row where its gate is has its down row unread)
+    pick the gate variant (twell.reference.gates)."""
     check_decode_args(x, w_gate, w_up, w_down_t)
     threshold, up_relu = check_gate_settings(threshold, up_relu)
     xf = x.float()
@@ -54,8 +55,13 @@ def decode_gated_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down_t: Tensor, 
     gate = torch.where(active, gate, torch.zeros_like(gate))
     cols = active.any(0).nonzero().flatten()  # neurons some row needs
     u = (xf @ w_up[cols].float().t()).to(torch.bfloat16)
-    if up_relu:
-        u = torch.where(u <= 0, torch.zeros_like(u), u)
+    on = active[:, cols]
+    if up_relu:  # dReLU: active where both are positive; the down rows of the others are not read
+        on = on & ~(u <= 0)
+        u = torch.where(on, u, torch.zeros_like(u))
     g = gate[:, cols]
-    h = torch.where(active[:, cols], (g.float() * u.float()).to(torch.bfloat16), torch.zeros_like(g))
+    h = torch.where(on, (g.float() * u.float()).to(torch.bfloat16), torch.zeros_like(g))
+    if up_relu:
+        keep = on.any(0)
+        h, cols = h[:, keep], cols[keep]
     return (h.float() @ w_down_t[cols].float()).to(torch.bfloat16)

@@ -157,8 +157,9 @@ def data_note(runs: Mapping[str, tuple[Path, Path | None]]) -> str:
 
 
 def training_kernel_bench(bench_dir: str | Path | None = None):
-    """The newest committed ``python -m twell.bench train-ffn`` result on the generator's inputs (an ffn-*.json
-    with training cases run by the sparse training kernels and no checkpoint's captured layers) as a DataFrame:
+    """The committed ``python -m twell.bench train-ffn`` record on the generator's inputs (an ffn-*.json with
+    training cases run by the sparse training kernels and no checkpoint's captured layers): of those with the most
+    cases the newest, so a later run of one or two cases does not replace the full table. As a DataFrame:
     per case, dense and sparse ms, speed-up, peak memory above inputs and energy per token; ``(None, None)`` when
     there is none. Returns ``(table, json path)``."""
     import json
@@ -177,10 +178,10 @@ def training_kernel_bench(bench_dir: str | Path | None = None):
         if any(c["case"].get("layer") is not None for c in cases):
             continue  # a record of a checkpoint's layers (docs/training_kernels.md shows those), not the generator's
         if cases:
-            found.append((res["meta"].get("timestamp", ""), p, res, cases))
+            found.append((len(cases), res["meta"].get("timestamp", ""), p, res, cases))
     if not found:
         return None, None
-    _, path, res, cases = max(found, key=lambda f: f[0])
+    _, _, path, res, cases = max(found, key=lambda f: f[:2])
     rows = []
     for c in cases:
         d, k = c["dense"], c["impls"]["twell-train-kernel"]
