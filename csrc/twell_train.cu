@@ -612,19 +612,17 @@ __global__ void heavy_l1_kernel(const int* __restrict__ count, const int* __rest
 // each product rounded to bf16 as PyTorch's bf16 operations round them (fp32 math, one rounding per
 // operation), so the values are those of that sequence bit for bit. relu as PyTorch's on CUDA: NaN kept, -0 to +0
 // (measured: products with a -0 kept differ in the sign of zero).
-struct HeavyGrad {
-  __device__ __forceinline__ static void one(float g, float u, float ds, float l1, bool has_l1, float& h, float& du,
-                                             float& dg) {
-    const float gr = g <= 0.f ? 0.f : g;
-    h = round_bf16(gr * u);
-    if (has_l1) {
-      const float sgn = h > 0.f ? 1.f : (h < 0.f ? -1.f : 0.f);
-      ds = round_bf16(ds + round_bf16(sgn * l1));
-    }
-    du = round_bf16(ds * gr);
-    dg = g > 0.f ? round_bf16(ds * u) : 0.f;
+__device__ __forceinline__ void heavy_grad(float g, float u, float ds, float l1, bool has_l1, float& h, float& du,
+                                           float& dg) {
+  const float gr = g <= 0.f ? 0.f : g;
+  h = round_bf16(gr * u);
+  if (has_l1) {
+    const float sgn = h > 0.f ? 1.f : (h < 0.f ? -1.f : 0.f);
+    ds = round_bf16(ds + round_bf16(sgn * l1));
   }
-};
+  du = round_bf16(ds * gr);
+  dg = g > 0.f ? round_bf16(ds * u) : 0.f;
+}
 
 __global__ void heavy_grads_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u,
                                    const __nv_bfloat16* __restrict__ ds, const float* __restrict__ l1_grad,
@@ -641,7 +639,7 @@ __global__ void heavy_grads_kernel(const __nv_bfloat16* __restrict__ g, const __
       unpack8(reinterpret_cast<const uint4*>(u)[i], uv);
       unpack8(reinterpret_cast<const uint4*>(ds)[i], dv);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) HeavyGrad::one(gv[k], uv[k], dv[k], l1, has_l1, hv[k], duv[k], dgv[k]);
+      for (int k = 0; k < 8; ++k) heavy_grad(gv[k], uv[k], dv[k], l1, has_l1, hv[k], duv[k], dgv[k]);
       reinterpret_cast<uint4*>(h)[i] = pack8(hv);
       reinterpret_cast<uint4*>(du)[i] = pack8(duv);
       reinterpret_cast<uint4*>(dg)[i] = pack8(dgv);
@@ -649,8 +647,7 @@ __global__ void heavy_grads_kernel(const __nv_bfloat16* __restrict__ g, const __
   } else {
     for (; i < n; i += step) {
       float hv, duv, dgv;
-      HeavyGrad::one(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(ds[i]), l1, has_l1, hv, duv,
-                     dgv);
+      heavy_grad(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(ds[i]), l1, has_l1, hv, duv, dgv);
       h[i] = __float2bfloat16_rn(hv);
       du[i] = __float2bfloat16_rn(duv);
       dg[i] = __float2bfloat16_rn(dgv);

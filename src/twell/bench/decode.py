@@ -108,6 +108,11 @@ def gate_kwargs(cfg: DecodeBenchConfig) -> dict:
     return {"relu": {}, "fatrelu": {"threshold": cfg.threshold}, "drelu": {"up_relu": True}}[cfg.gate]
 
 
+def gate_settings(cfg: DecodeBenchConfig) -> tuple[float, bool]:
+    """(threshold, up_relu) of ``cfg.gate`` (twell.reference.gates)."""
+    return cfg.threshold if cfg.gate == "fatrelu" else 0.0, cfg.gate == "drelu"
+
+
 def variant_inputs(cfg: DecodeBenchConfig, x, w_gate, w_up) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_gate, w_up) for ``cfg.gate`` from the ReLU case's (x[:, 0] is the generator's constant feature, whose
     weights are the biases): FATReLU's gate bias moved up by the threshold, dReLU's up bias set so that
@@ -126,13 +131,13 @@ def variant_inputs(cfg: DecodeBenchConfig, x, w_gate, w_up) -> tuple[torch.Tenso
 
 
 def _dense_fn(cfg: DecodeBenchConfig, x, w_gate, w_up, w_down) -> Callable[[], torch.Tensor]:
-    """The dense layer of ``cfg.gate``, as PyTorch runs it."""
-    if cfg.gate == "fatrelu":
-        t = cfg.threshold
-        return lambda: F.linear(F.threshold(F.linear(x, w_gate), t, 0.0) * F.linear(x, w_up), w_down)
-    if cfg.gate == "drelu":
-        return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.relu(F.linear(x, w_up)), w_down)
-    return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    """The dense layer of ``cfg.gate`` in PyTorch: the variants' hidden state as twell.reference.gates defines it."""
+    if cfg.gate == "relu":
+        return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    from twell.reference.gates import hidden
+
+    threshold, up_relu = gate_settings(cfg)
+    return lambda: F.linear(hidden(F.linear(x, w_gate), F.linear(x, w_up), threshold, up_relu), w_down)
 
 
 def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tuple[dict, dict]:
@@ -219,9 +224,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, progress: bool = True, allow_dirty:
         with torch.no_grad():
             from twell.reference.gates import active as gate_active
 
-            thr = cfg.threshold if cfg.gate == "fatrelu" else 0.0
-            g_on = gate_active(F.linear(x, w_gate), None, thr)
-            active = g_on & (F.linear(x, w_up) > 0) if cfg.gate == "drelu" else g_on
+            threshold, up_relu = gate_settings(cfg)
+            g = F.linear(x, w_gate)
+            g_on = gate_active(g, None, threshold)
+            active = gate_active(g, F.linear(x, w_up), threshold, up_relu) if up_relu else g_on
         row = {"case": case, "M": M, "gate": cfg.gate, "nnz_target": case_nnz(case),
                "nnz_measured": float(active.sum(1).float().mean()), "union": int(active.any(0).sum()),
                "gate_union": int(g_on.any(0).sum()), "impls": {}}
