@@ -165,14 +165,16 @@ def test_sparse_ffn_tracking_counts_the_variant_active_neurons(seed):
 
 
 def test_explicit_kernel_path_on_a_variant_raises_with_the_reason():
+    """Of the kernels only the decoding op computes the variants: an explicit kernel path on more rows than
+    it takes raises, naming the variant (on a machine without the kernels, that they are unavailable)."""
     f = _layer("fatrelu", 0.03, 0)
     f.path = "kernel"
-    with torch.no_grad(), pytest.raises(ValueError, match="FATReLU.*threshold 0.03"):
-        f(torch.randn(4, 64).to(BF))
+    with torch.no_grad(), pytest.raises((ValueError, RuntimeError), match="FATReLU.*threshold 0.03|unavailable"):
+        f(torch.randn(64, 64).to(BF))
     d = _layer("drelu", 0.0, 0)
     d.path = "kernel"
-    with torch.no_grad(), pytest.raises(ValueError, match="dReLU"):
-        d(torch.randn(4, 64).to(BF))
+    with torch.no_grad(), pytest.raises((ValueError, RuntimeError), match="dReLU|unavailable"):
+        d(torch.randn(64, 64).to(BF))
 
 
 def test_planner_routes_variants_exactly_and_says_why():
@@ -180,15 +182,21 @@ def test_planner_routes_variants_exactly_and_says_why():
     from tests.test_routing import FakeX, _state
 
     why = "FATReLU (gate threshold 0.01): the kernels' gate epilogue compares against 0 only"
-    st = _state(activation="fatrelu", gate_why=why)
+    st = _state(activation="fatrelu", gate_why=why, auto_dense=None, activity=None, decode_max_rows=0)
     r = routing.plan(st, FakeX(65536), grad_enabled=False)  # a CUDA input: dense, exact, with the reason
-    assert r.op == "dense" and why in r.reason and why in r.note
+    assert r.op == "dense" and r.measure and why in r.reason and why in r.note
     r = routing.plan(st, FakeX(64, cuda=False), grad_enabled=False)
     assert r.op == "sparse" and r.impl == "reference"
     r = routing.plan(_state(activation="fatrelu", gate_why=why, path="reference"), FakeX(4096), grad_enabled=False)
     assert r.impl == "reference"
-    with pytest.raises(ValueError, match="FATReLU"):
-        routing.plan(_state(activation="fatrelu", gate_why=why, path="kernel"), FakeX(8), grad_enabled=False)
+    # the decoding op computes the variants: an explicit kernel path takes it on few rows, raises on more
+    r = routing.plan(_state(activation="fatrelu", gate_why=why, path="kernel"), FakeX(8), grad_enabled=False)
+    assert r.op == "decode" and r.impl == "kernel" and why in r.reason
+    with pytest.raises(ValueError, match="decoding op only.*FATReLU.*4096 rows"):
+        routing.plan(_state(activation="fatrelu", gate_why=why, path="kernel"), FakeX(4096), grad_enabled=False)
+    with pytest.raises(ValueError, match="FATReLU"):  # where the decoding op cannot run it either
+        routing.plan(_state(activation="fatrelu", gate_why=why, path="kernel", no_decode_why="misaligned"),
+                     FakeX(8), grad_enabled=False)
     # training: the kernel op cannot, the reference op can
     r = routing.plan_training(st, FakeX(8192), sparse=True, impl="kernel")
     assert r.op == "dense" and why in r.reason
@@ -224,10 +232,61 @@ def test_layer_settings_are_checked():
     assert SparseFFN(64, 128, activation="drelu").gate_settings() == (0.0, True)
 
 
+def _decode_only_layer(activation, threshold, D, H):
+    """A CUDA layer on "auto" with a few percent of neurons active on :func:`_positive_rows`: FATReLU through
+    its threshold, dReLU (and ReLU) through gate weights shifted down by about one gate std."""
+    f = _layer(activation, threshold, 0, D=D, H=H).cuda()
+    if activation != "fatrelu":
+        with torch.no_grad():
+            f.gate_proj.weight -= 0.7 / D
+    f.path = "auto"
+    return f
+
+
+def _positive_rows(M, D, seed):
+    return torch.randn(M, D, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).abs().to(BF)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,threshold,D,H", [
+    ("fatrelu", 1.0, 2048, 5632), ("drelu", 0.0, 2048, 5632),
+    ("relu", 0.0, 4096, 2048),  # wider than the other kernels take: only the decoding op runs it
+    ("fatrelu", 1.0, 1536, 3840),
+])
+def test_on_cuda_auto_runs_a_decode_only_layer_dense_then_on_the_decoding_op(activation, threshold, D, H):
+    """A layer of the kernels only the decoding op runs: "auto" runs it dense (exactly PyTorch's), measures
+    its activity on that call, then takes the decoding op on up to decode_max_rows rows (the same values as
+    calling the op) and dense on more."""
+    from twell import kernels
+
+    f = _decode_only_layer(activation, threshold, D, H)
+    x = _positive_rows(256, D, 1)
+    with torch.no_grad():
+        out = f(x)
+        assert f.last_path == "dense" and f.last_route.measure, f.last_route
+        pre, h = f.hidden(x)
+        assert torch.equal(out, f.down_proj(h))
+        activity = f.layer_state().activity
+        assert 0.01 < activity < 0.2, activity
+        n = f.decode_max_rows()
+        assert 1 <= n <= f.decode_rows
+        for rows in sorted({1, n}):
+            y = _positive_rows(rows, D, 2 + rows)
+            out = f(y)
+            assert f.last_route.op == "decode" and f.last_path == "twell-kernel", f.last_route
+            want = kernels.decode_gated_ffn(y, f.gate_proj.weight, f.up_proj.weight,
+                                            f.down_proj.weight.t().contiguous(), **f._gate_kwargs())
+            assert torch.equal(out, want)
+            assert _rel(out, f.down_proj(f.hidden(y)[1]).double()) < 1e-2
+        y = _positive_rows(n + 1, D, 99)
+        assert torch.equal(f(y), f.down_proj(f.hidden(y)[1])) and f.last_path == "dense"
+        assert f"up to {n} rows" in f.auto_note
+
+
 @pytest.mark.gpu
 def test_on_cuda_auto_runs_a_variant_dense_and_exact():
-    """On a GPU "auto" takes dense for FATReLU and dReLU layers (the kernels compute ReLU only), with the
-    reason in the Route, and the output is dense PyTorch's."""
+    """On many rows "auto" takes dense for FATReLU and dReLU layers (of the kernels only the decoding op
+    computes them), with the reason in the Route, and the output is dense PyTorch's."""
     for activation, threshold in (("fatrelu", 0.05), ("drelu", 0.0)):
         f = _layer(activation, threshold, 0, D=2048, H=5632).cuda()
         f.path = "auto"

@@ -93,6 +93,23 @@ def test_static_greedy_gives_generate_s_tokens():
     assert len(set(tokens.flatten().tolist())) > 6  # a varied sequence, not one token repeated
 
 
+def test_static_greedy_teacher_forcing_and_scores():
+    """Fed its own tokens the decoder predicts them again; fed others it predicts what generate gives after that
+    history; the top-2 scores are the step's two largest logits, in order."""
+    m = _decoder()
+    prompt = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        free, _ = static_greedy(m, prompt, 10)
+        again, _, top2 = static_greedy(m, prompt, 10, forced=free, scores=True)
+        other = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(4))
+        pred, _, _ = static_greedy(m, prompt, 10, forced=other, scores=True)
+        want = m(input_ids=torch.cat([prompt, other[:, :-1]], 1)).logits[:, 8:].argmax(-1)
+        with pytest.raises(ValueError, match="forced"):
+            static_greedy(m, prompt, 10, forced=other[:, :5])
+    assert torch.equal(again, free) and bool((top2[..., 0] >= top2[..., 1]).all())
+    assert torch.equal(pred, want) and not torch.equal(pred, free)
+
+
 def test_graph_decode_rows_and_their_token_check(pair):
     cfg = {**SMALL, "train_batch": 0, "decode_batches": (2,), "decode_graph": True, "token_check": True}
     res = run_model_bench(ModelBenchConfig(checkpoint=pair[0], dense_checkpoint=pair[1], **cfg), progress=False)

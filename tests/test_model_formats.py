@@ -267,7 +267,8 @@ def test_what_cannot_be_computed_exactly_names_the_config_key(name, change, key,
 
 
 def test_kernel_path_on_a_fatrelu_checkpoint_is_refused_with_the_reason(tmp_path):
+    """More rows than the decoding op takes (the only kernel that computes FATReLU): refused, naming it."""
     path, _, _ = _checkpoint(tmp_path, "prosparse", 0)
     model, _ = load_pretrained(path, ffn_path="kernel", dtype=torch.bfloat16, load_tokenizer=False)
     with torch.no_grad(), pytest.raises(ValueError, match="FATReLU"):
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        model(input_ids=torch.zeros(1, 40, dtype=torch.long))

@@ -16,7 +16,7 @@ BF = torch.bfloat16
 
 def _state(**kw) -> LayerState:
     base = dict(path="auto", hidden_size=64, intermediate_size=128, gated=True, activation="relu", track=False,
-                keep_gate=False, backend="none", no_sparse_why="", weight_dtypes=(BF,), no_kernel_why="",
+                keep_gate=False, backend="none", no_sparse_why="", weight_dtypes=(BF,), no_kernel_why="", no_decode_why="",
                 no_train_why="", decode_rows=16, dense_rows=(17, 2047), auto_dense=False, timed=False,
                 activity=0.002, activity_text="0.20%", auto_max_active=0.01, ceilings=routing.AUTO_CEILINGS, decode_max_rows=16,
                 choice_note=None, train_slots=128)
@@ -439,3 +439,34 @@ def test_the_activity_class_answers_every_threshold_as_the_activity_does():
         assert state.activity == cls and state.decode_max_rows == (f.decode_max_rows() if f._auto_dense else 0)
     f.reset_auto()
     assert f._auto_stable[0] is None and f._build_state(compiled=True).activity is None
+
+
+# -- layers only the decoding op runs ------------------------------------------------------------------
+@pytest.mark.parametrize("change", [dict(activation="fatrelu", gate_why="FATReLU (gate threshold 0.01): no epilogue"),
+                                    dict(no_kernel_why="the fused TwELL kernel supports D <= 2048 for now")])
+def test_auto_on_a_decode_only_layer(change):
+    """A gate variant or a width only the decoding op takes: dense (measuring the activity on the first call
+    with rows outside a capture or compile), then the decoding op on up to decode_max_rows rows."""
+    why = change.get("gate_why") or change["no_kernel_why"]
+    fresh = _state(auto_dense=None, activity=None, decode_max_rows=0, **change)
+    r = _plan(fresh, 4096)
+    assert r.op == "dense" and r.measure and why in r.note
+    assert not _plan(fresh, 0).measure
+    assert not routing.plan(fresh, FakeX(4), grad_enabled=False, capturing=True).measure
+    assert not routing.plan(fresh, FakeX(4), grad_enabled=False, compiling=True).measure
+    measured = dataclasses.replace(fresh, auto_dense=True, activity=0.05, decode_max_rows=5, choice_note="5% active")
+    for rows, op in ((1, "decode"), (5, "decode"), (6, "dense"), (65536, "dense")):
+        r = _plan(measured, rows)
+        assert r.op == op and why in r.note and "up to 5 rows" in r.note, (rows, r)
+    assert _plan(measured, 1).checked and _plan(measured, 1).impl == "kernel"
+    assert _plan(dataclasses.replace(measured, auto_dense=False), 3).op == "decode"  # sparse by activity too
+    assert _plan(dataclasses.replace(measured, keep_gate=True), 1).op == "dense"
+    assert _plan(dataclasses.replace(measured, dense_rows=(1, 64)), 1).op == "dense"
+    # where the decoding op cannot run the layer either: as before
+    r = _plan(dataclasses.replace(measured, no_decode_why="D=100: not a multiple of 64"), 1)
+    assert r.op == ("dense" if "gate_why" in change else "sparse") and r.impl != "kernel"
+
+
+def test_kernels_unavailable_is_never_decode_only():
+    st = _state(no_kernel_why="kernels unavailable: no nvcc", no_decode_why="")
+    assert _plan(st, 1).impl == "reference"

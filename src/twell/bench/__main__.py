@@ -4,6 +4,8 @@
 ``python -m twell.bench decode [...]``: the FFN at decoding sizes under CUDA graphs (twell.bench.decode);
 ``python -m twell.bench activity CHECKPOINT --tokens DIR [...]``: active FFN neurons per layer and per position of a
 checkpoint (and its dense twin) on held-out tokens (twell.bench.activity);
+``python -m twell.bench synthetic --shape NAME --active A --out DIR``: a random-weight checkpoint of a public model's
+shape, its FATReLU gates calibrated to an activity, for ``model`` (twell.model.synthetic);
 ``python -m twell.bench provenance FILE.json``: the commits whose code made a result (twell.bench.provenance)."""
 from __future__ import annotations
 
@@ -119,6 +121,19 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--device", type=torch_device, default=_DEFAULT_DEVICE)
     a.add_argument("--out", type=Path, help="JSON file to write (default activity-<label>.json in the directory "
                                             "that --out of the other commands defaults to)")
+    sy = sub.add_parser("synthetic", help="a random-weight checkpoint of a public model's shape, gates calibrated",
+                        description="twell.model.synthetic: transformers' Llama initialisation, then each FATReLU "
+                                    "layer's gate weights scaled so that --active of its neurons pass the model's "
+                                    "threshold on random tokens; saved in bf16 in the format's config.")
+    from twell.model.synthetic import SHAPES as MODEL_SHAPES
+
+    sy.add_argument("--shape", required=True, choices=sorted(MODEL_SHAPES))
+    sy.add_argument("--active", type=fraction, default=0.11, help="fraction of neurons active per layer (default 0.11)")
+    sy.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    sy.add_argument("--seed", type=non_negative_int, default=0)
+    sy.add_argument("--calib-tokens", type=positive_int, default=2048, help="random tokens the gates are calibrated on")
+    sy.add_argument("--device", type=torch_device, default=_DEFAULT_DEVICE)
+    sy.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("provenance", help="the commits whose code matches a benchmark JSON's meta.code",
                        description="Recomputes the csrc and package digests of the newest commits from git and "
                                    "lists those whose kernel sources match the JSON's (a run in a copy of the tree, as "
@@ -417,6 +432,20 @@ def model_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def synthetic_main(args) -> int:
+    from twell.model.synthetic import synthetic_checkpoint
+
+    try:
+        info = synthetic_checkpoint(args.shape, args.out, args.active, seed=args.seed, device=args.device,
+                                    calib_tokens=args.calib_tokens, progress=not args.quiet)
+    except ValueError as exc:
+        fail(f"{PROG} synthetic", str(exc))
+    a = info["measured_active"]
+    print(f"{args.out}: {args.shape}, {len(a)} layers, active {min(a):.4f} .. {max(a):.4f} "
+          f"(target {args.active}) on {info['calib_tokens']} random tokens")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -429,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         return activity_main(args)
     if args.command == "decode":
         return decode_main(args)
+    if args.command == "synthetic":
+        return synthetic_main(args)
     cfg = BenchConfig(
         device=args.device, shapes=args.shapes, cases=tuple(args.cases), Ms=tuple(args.M) if args.M else None,
         D=args.D, H=args.H, odd_M=args.odd_M, odd_H=args.odd_H, train_M=args.train_M,

@@ -11,7 +11,8 @@ so that launch overhead does not decide the comparison and with L2 overwritten b
   active neurons' up and down rows;
 - ``twell-kernel``: :func:`twell.kernels.sparse_gated_ffn`, the large-batch sparse path;
 - ``auto``: what :class:`twell.nn.SparseFFN` with ``path="auto"`` runs at this M, when the layer
-  takes the kernels.
+  takes the kernels (for a variant gate: dense, but for the decoding op on as few rows as its activity
+  allows).
 
 Each row records the measured active neurons per row and the union over the rows (the up and down
 rows that must be read), the relative error of every output against dense (outputs poisoned with
@@ -20,8 +21,9 @@ NaN before the checked replay), and optionally NVML energy per token.
 ``gate``: "relu" (default), "fatrelu" or "drelu" (twell.reference.gates). FATReLU keeps each case's activity:
 the gate's bias moves by ``threshold``, so that ``g > threshold`` holds about where the ReLU case had ``g > 0``.
 dReLU keeps the gate's activity and biases the up projection so that ``up_active`` of its values are positive
-(the active neurons are then those positive in both). The dense side computes the same variant; only the
-decoding op runs the variants (the others are skipped with the reason).
+(the active neurons are then those positive in both). The dense side computes the same variant; of the
+kernels only the decoding op runs the variants (the large-batch op is skipped with the reason; ``auto`` is
+the layer's own choice).
 """
 from __future__ import annotations
 
@@ -131,13 +133,16 @@ def variant_inputs(cfg: DecodeBenchConfig, x, w_gate, w_up) -> tuple[torch.Tenso
 
 
 def _dense_fn(cfg: DecodeBenchConfig, x, w_gate, w_up, w_down) -> Callable[[], torch.Tensor]:
-    """The dense layer of ``cfg.gate`` in PyTorch: the variants' hidden state as twell.reference.gates defines it."""
-    if cfg.gate == "relu":
-        return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
-    from twell.reference.gates import hidden
-
-    threshold, up_relu = gate_settings(cfg)
-    return lambda: F.linear(hidden(F.linear(x, w_gate), F.linear(x, w_up), threshold, up_relu), w_down)
+    """The dense layer of ``cfg.gate`` in PyTorch, its fastest expression: FATReLU as ``F.threshold`` (one
+    kernel, where twell.reference.gates' ``where`` takes two; docs/models.md has both timings). The two
+    differ only on a NaN gate (F.threshold drops it), which the generator's finite inputs never give, so the
+    values checked against are twell.reference.gates'."""
+    if cfg.gate == "fatrelu":
+        t = cfg.threshold
+        return lambda: F.linear(F.threshold(F.linear(x, w_gate), t, 0.0) * F.linear(x, w_up), w_down)
+    if cfg.gate == "drelu":
+        return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.relu(F.linear(x, w_up)), w_down)
+    return lambda: F.linear(F.relu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
 def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tuple[dict, dict]:
@@ -161,6 +166,8 @@ def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tu
                 from twell.reference import decode_gated_ffn
 
                 fns[name + " (reference)"] = lambda: decode_gated_ffn(x, w_gate, w_up, w_down_t, **kw)
+        elif name == "auto":
+            fns[name] = _auto_layer(x, w_gate, w_up, w_down_t, cfg.gate, kw.get("threshold", 0.0))
         elif kw:
             skipped[name] = f"gate {cfg.gate}: only the decoding op runs it on the kernels"
         elif name == "twell-kernel":
@@ -168,17 +175,16 @@ def _candidates(cfg: DecodeBenchConfig, M: int, x, w_gate, w_up, w_down_t) -> tu
                 fns[name] = lambda: kernels.sparse_gated_ffn(x, w_gate, w_up, w_down_t)
             else:
                 skipped[name] = why
-        elif name == "auto":
-            fns[name] = _auto_layer(x, w_gate, w_up, w_down_t)
     return fns, skipped
 
 
-def _auto_layer(x, w_gate, w_up, w_down_t) -> Callable[[], torch.Tensor]:
-    """A SparseFFN holding these weights on path "auto", called on x (it picks its path by M)."""
+def _auto_layer(x, w_gate, w_up, w_down_t, gate: str = "relu", threshold: float = 0.0) -> Callable[[], torch.Tensor]:
+    """A SparseFFN with this gate variant holding these weights on path "auto", called on x (it picks its path
+    by M; its first call, a warm-up outside any capture, measures its activity)."""
     from twell.nn.ffn import SparseFFN
 
     H, D = w_gate.shape
-    layer = SparseFFN(D, H).to(device=x.device, dtype=x.dtype)
+    layer = SparseFFN(D, H, activation=gate, threshold=threshold).to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         layer.gate_proj.weight.copy_(w_gate)
         layer.up_proj.weight.copy_(w_up)

@@ -203,7 +203,8 @@ def _cache_argument(model, cache) -> dict:
 
 def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
                   compile_backend: Optional[str] = None,
-                  cache_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
+                  cache_len: Optional[int] = None, forced: Optional[torch.Tensor] = None,
+                  scores: bool = False) -> tuple:
     """Greedy decoding of ``new`` tokens after ``prompt`` with a static KV cache: ``(tokens [b, new], seconds)``,
     the seconds those of the ``new - 1`` steps after the prompt's forward. With ``graph`` (CUDA) each step's
     forward and argmax replay one CUDA graph, so launch overhead does not decide the comparison
@@ -212,7 +213,10 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
     attention's reshapes) for both paths alike; the prompt's forward stays eager. Same tokens as ``generate``
     with greedy search (a compiled step may round differently: its tokens can part at a near-tie).
     ``cache_len`` (default ``P + new``) sizes the KV cache: a compiled step is compiled per cache length,
-    so calls that should share it pass the same one."""
+    so calls that should share it pass the same one. ``forced`` ([b, new] token ids): each step is fed
+    the forced token instead of its own prediction (teacher forcing), so every step of two models can be
+    compared on the same history. ``scores``: also return the top-2 logits of every step ([b, new, 2], fp32):
+    ``(tokens, seconds, top2)``."""
     from transformers import StaticCache
 
     b, P = prompt.shape
@@ -221,17 +225,24 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
         raise ValueError(f"cache_len {cache_len} cannot hold the prompt ({P}) and {new} new tokens")
     cache = StaticCache(config=model.config, max_cache_len=cache_len or P + new)
     with_cache = _cache_argument(model, cache)
+    if forced is not None and tuple(forced.shape) != (b, new):
+        raise ValueError(f"forced must hold [{b}, {new}] token ids, got {tuple(forced.shape)}")
     logits = model(input_ids=prompt, **with_cache, cache_position=torch.arange(P, device=device),
                    use_cache=True).logits[:, -1]
     out = torch.empty(b, new, dtype=torch.long, device=device)
     out[:, 0] = logits.argmax(-1)
-    ids = out.new_empty((b, 1)).copy_(out[:, :1])  # its own strides, whatever new is (a compiled step guards them)
+    top2 = torch.empty(b, new, 2, dtype=torch.float32, device=device) if scores else None
+    if scores:
+        top2[:, 0] = logits.float().topk(2, -1).values
+    feed = out if forced is None else forced
+    ids = out.new_empty((b, 1)).copy_(feed[:, :1])  # its own strides, whatever new is (a compiled step guards them)
     pos = torch.tensor([P], device=device)
 
     fwd = model if compile_backend is None else _compiled(model, compile_backend)
 
-    def step() -> torch.Tensor:
-        return fwd(input_ids=ids, **with_cache, cache_position=pos, use_cache=True).logits[:, -1].argmax(-1)
+    def step():
+        last = fwd(input_ids=ids, **with_cache, cache_position=pos, use_cache=True).logits[:, -1]
+        return (last.argmax(-1), last.float().topk(2, -1).values) if scores else last.argmax(-1)
 
     # Warm-up steps (before a capture) write position P's cache entry, which the first real step writes
     # again; but transformers' static cache layers also count the tokens they hold (cumulative_length, the
@@ -250,7 +261,7 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
 
         replay, nxt = graphed(step, device, after_warmup=restore)
 
-        def run() -> torch.Tensor:
+        def run():
             replay()
             return nxt
     elif new > 1:
@@ -260,11 +271,14 @@ def static_greedy(model, prompt: torch.Tensor, new: int, graph: bool = True,
     t0 = time.perf_counter()
     for i in range(1, new):
         tok = run()
+        if scores:
+            tok, top2[:, i] = tok
         out[:, i] = tok
-        ids.copy_(tok[:, None])
+        ids.copy_(tok[:, None] if forced is None else forced[:, i:i + 1])
         pos += 1
     _sync(device)
-    return out, time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    return (out, secs, top2) if scores else (out, secs)
 
 
 def _first_diffs(a: torch.Tensor, b: torch.Tensor) -> list:
@@ -342,19 +356,36 @@ def _decode_row(models: dict, prompt: torch.Tensor, cfg: "ModelBenchConfig", pad
 
 def graph_token_check(model, prompt: torch.Tensor, new: int, sparse_path: str = "auto") -> dict:
     """The greedy tokens of :func:`static_greedy` (the timed decoder), sparse weights on the sparse path
-    against the dense path: ``same`` and the first differing new token per row."""
+    against the dense path: ``same`` and the first differing new token per row. Then ``forced``: both paths
+    fed the dense path's tokens (teacher forcing), so that every step is compared on the same history, not
+    only those before a first divergence: the steps whose predictions differ and whether each is a near-tie
+    (the dense path's top-2 margin within 4 bf16 steps of its top logit, as in :func:`greedy_token_check`)."""
     from twell.model import set_ffn_path
 
-    toks = {}
+    toks, top = {}, {}
     try:
         for path in ("dense", sparse_path):
             set_ffn_path(model, path)
             static_greedy(model, prompt, 2)
             toks[path] = static_greedy(model, prompt, new)[0]
+        forced = toks["dense"]
+        for path in ("dense", sparse_path):
+            set_ffn_path(model, path)
+            pred, _, top[path] = static_greedy(model, prompt, new, forced=forced, scores=True)
+            toks["forced " + path] = pred
     finally:
         set_ffn_path(model, sparse_path)
     first = _first_diffs(toks["dense"], toks[sparse_path])
-    return {"same": all(f is None for f in first), "first_diff": first, "new_tokens": new}
+    differ = (toks["forced dense"] != toks["forced " + sparse_path]).nonzero().tolist()
+    d = top["dense"]
+    margins = [float(d[r, i, 0] - d[r, i, 1]) for r, i in differ]
+    steps = [float(torch.finfo(torch.bfloat16).eps) * max(abs(float(d[r, i, 0])), 1e-30) for r, i in differ]
+    return {"same": all(f is None for f in first), "first_diff": first, "new_tokens": new,
+            "forced": {"steps": int(forced.numel()), "differ": [{"row": r, "step": i, "margin": m, "bf16_step": st,
+                                                                 "near_tie": m <= 4 * st}
+                                                                for (r, i), m, st in zip(differ, margins, steps)],
+                       "dense_reproduces_itself": bool(torch.equal(toks["forced dense"], forced)),
+                       "all_near_ties": all(m <= 4 * st for m, st in zip(margins, steps))}}
 
 
 def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_path: str = "auto") -> dict:
@@ -712,6 +743,16 @@ def markdown_report(res: dict) -> str:
             g = tc["graph"]
             lines.append("Greedy tokens of the CUDA-graph decoder, same comparison: " + (
                 "identical." if g["same"] else f"first divergence at new token(s) {g['first_diff']}."))
+            f = g.get("forced")
+            if f:
+                near = sum(d["near_tie"] for d in f["differ"])
+                lines.append(f"The same decoder fed the dense path's tokens (teacher forcing, {f['steps']} steps): "
+                             + ("every step predicts the same token." if not f["differ"] else
+                                f"{len(f['differ'])} step(s) predict another token, {near} of them near-ties "
+                                "(dense top-2 margin within 4 bf16 steps)"
+                                + ("." if near == len(f["differ"]) else ": THE OTHERS ARE NOT."))
+                             + ("" if f["dense_reproduces_itself"] else
+                                " (the dense path fed its own tokens did not reproduce them: nondeterministic decoder)"))
     lines += ["", f"python {meta.get('python', '-')}, torch {meta['torch']}, CUDA {meta.get('cuda') or '-'}; "
                   f"command: `{meta.get('command', '-')}`"]
     if meta.get("code"):

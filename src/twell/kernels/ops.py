@@ -33,7 +33,7 @@ from torch import Tensor
 from twell.formats import TwELL, check_tensor, check_tiling
 from twell.formats.twell import columns_limit
 from twell.kernels.build import available, load
-from twell.reference.decode import check_decode_args
+from twell.reference.decode import DECODE_MAX_H, check_decode_args
 from twell.reference.gates import check_gate_settings
 from twell.reference.gates import kernel_gate_unsupported as gate_unsupported
 from twell.reference.ffn import (
@@ -163,6 +163,14 @@ def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = SPARSE
     if _fused_limit(D):
         return _fused_limit(D)
     return columns_limit(H) or _tile_limit(tile)
+
+
+def decode_layer_unsupported(D: int, H: int) -> str:
+    """Why the decoding op cannot run a gated layer of width D with H hidden units, or ``""`` when it can
+    (it takes wider layers than the other kernels: any D that is a multiple of 64). Builds nothing."""
+    if D % 64 or D <= 0:
+        return f"the decoding FFN needs D to be a positive multiple of 64, got D={D}"
+    return "" if 1 <= H <= DECODE_MAX_H else f"the decoding FFN takes 1 to {DECODE_MAX_H} hidden units, got H={H}"
 
 
 def _fused_kernel_checks(x: Tensor) -> None:

@@ -418,6 +418,11 @@ class SparseFFN(nn.Module):
         threshold, up_relu = self.gate_settings()
         return {"threshold": threshold, "up_relu": up_relu}
 
+    def _decode_only(self) -> bool:
+        """Whether, of the kernels, only the decoding op runs this layer (routing.decode_only_why)."""
+        return bool(self.activation in gates.SPARSE_ACTIVATIONS and (self._gate_why() or self._no_kernel_layer())
+                    and not self._no_decode_layer())
+
     def _gate_why(self) -> str:
         """Why the kernels cannot compute this layer's gate ('' for ReLU, and for SiLU, which no sparse path runs)."""
         if self.activation not in gates.SPARSE_ACTIVATIONS:
@@ -462,6 +467,21 @@ class SparseFFN(nn.Module):
             if m is not None and kernels.misaligned(m.weight):
                 return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
         return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
+
+    def _no_decode_layer(self) -> str:
+        """Why the decoding op cannot run this layer on any CUDA input; '' when it can (it takes wider
+        layers than the other kernels, and every gate variant)."""
+        from twell import kernels
+
+        why = _kernels_unavailable()
+        if why:
+            return routing.UNAVAILABLE + why
+        if not self.gated:
+            return "the decoding op runs gated layers"
+        for name in ("gate_proj", "up_proj"):
+            if kernels.misaligned(getattr(self, name).weight):
+                return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
+        return kernels.decode_layer_unsupported(self.hidden_size, self.intermediate_size)
 
     def _no_train_layer(self) -> str:
         """Why the training op cannot run this layer on any input; '' when it can."""
@@ -542,7 +562,8 @@ class SparseFFN(nn.Module):
             gated=self.gated, activation=self.activation, track=self.track, keep_gate=self.keep_gate,
             backend="none" if b is None else ("sparse-training" if hasattr(b, "plan") else "custom"),
             no_sparse_why=self._no_sparse_layer(), weight_dtypes=tuple(dict.fromkeys(w.dtype for w in ws)),
-            no_kernel_why=self._no_kernel_layer(), no_train_why=self._no_train_layer(), gate_why=self._gate_why(),
+            no_kernel_why=self._no_kernel_layer(), no_decode_why=self._no_decode_layer(),
+            no_train_why=self._no_train_layer(), gate_why=self._gate_why(),
             train_slots=TRAIN_SLOTS, **auto)
 
     def train_layer_state(self) -> routing.LayerState:
@@ -571,8 +592,8 @@ class SparseFFN(nn.Module):
         if a is not None:
             ts = sorted({min(c, self.auto_max_active) for _, c in self.auto_ceilings} | {self.auto_max_active})
             a = next((t for t in ts if a <= t), 1.0 if ts[-1] < 1.0 else a)
-        # decode_max_rows matters to planning only on a layer "auto" runs dense
-        rows = self.decode_max_rows() if self._auto_dense else 0
+        # decode_max_rows matters to planning only on a layer "auto" runs dense (decode-only layers always are)
+        rows = self.decode_max_rows() if self._auto_dense or self._decode_only() else 0
         self._auto_stable = (a, rows, self._activity_note is not None)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
@@ -673,11 +694,12 @@ class SparseFFN(nn.Module):
         return pre, h
 
     def _hidden(self, x: torch.Tensor):
-        """(pre-activation, h, active mask or None when ``pre > 0`` says it: ReLU and SiLU)."""
+        """(pre-activation, h, the variants' up pre-activation u, else None). A variant's active mask is
+        ``_active(pre, u)``, made only where it is read (tracking, measuring): an [M, H] pass of its own."""
         if self.activation in ("fatrelu", "drelu"):
             threshold, up_relu = self.gate_settings()
             g, u = self.gate_proj(x), self.up_proj(x)
-            return g, gates.hidden(g, u, threshold, up_relu), gates.active(g, u, threshold, up_relu)
+            return g, gates.hidden(g, u, threshold, up_relu), u
         act = ACTIVATIONS[self.activation]
         if self.gated:
             g = self.gate_proj(x)
@@ -685,10 +707,16 @@ class SparseFFN(nn.Module):
         u = self.up_proj(x)
         return u, act(u), None
 
+    def _active(self, pre: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
+        """bool: where a neuron is active, from ``_hidden``'s pre-activation and u (ReLU: ``pre > 0``)."""
+        if u is not None:
+            return gates.active(pre, u, *self.gate_settings())
+        return pre > 0
+
     def _dense(self, x: torch.Tensor, measure: bool = False) -> torch.Tensor:
-        pre, h, mask = self._hidden(x)
+        pre, h, u = self._hidden(x)
         if self.track:
-            active = mask if mask is not None else (pre > 0 if self.activation == "relu" else h != 0)
+            active = self._active(pre, u) if u is not None or self.activation == "relu" else h != 0
             # fp32 accumulation without an fp32 copy of h kept for the backward pass
             l1 = h.abs().sum(-1, dtype=torch.float32).mean()
             self.stats = FFNStats(
@@ -698,7 +726,7 @@ class SparseFFN(nn.Module):
             )
         if measure:  # "auto" decides the layer on this call's tokens (one host sync, once)
             note = self.auto_note
-            on = mask if mask is not None else ~(pre <= 0)
+            on = self._active(pre, u) if u is not None else ~(pre <= 0)
             self._set_activity(float(on.sum(-1, dtype=torch.float32).mean()) / self.intermediate_size)
             self.auto_note = f"{note}; {self._activity_note}" if self._activity_note else note
         return self.down_proj(h)
@@ -841,11 +869,8 @@ class SparseFFN(nn.Module):
             # A few rows (generation): the gate read in full, only the active neurons' up and down rows
             # (docs/decoding.md); no TwELL. On a checked route (x2 contiguous and aligned here) the op skips
             # its Python checks: host time a token-by-token loop pays per layer.
-            if kw:
-                out = impl.decode_gated_ffn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(), **kw)
-            else:
-                fn = impl.decode_gated_ffn_trusted if route.checked else impl.decode_gated_ffn
-                out = fn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t())
+            fn = impl.decode_gated_ffn_trusted if route.checked else impl.decode_gated_ffn
+            out = fn(x2, self.gate_proj.weight, self.up_proj.weight, self.w_down_t(), **kw)
         elif op == "sparse":
             # One op: its TwELL stays inside, so the fused kernel can start on the SMs the gate
             # kernel's last wave leaves idle (docs/kernels.md §6).

@@ -86,8 +86,11 @@ class LayerState:
     The ``*_why`` strings are empty when nothing stands in the way: ``no_sparse_why`` for any sparse
     path (bias, width of H, projections with their own forward or hooks, non-contiguous weights),
     ``no_kernel_why`` for the kernels (unavailable,
-    misaligned weights, a shape they do not take), ``no_train_why`` for the training op, ``gate_why`` for
-    the kernels on this layer's gate (FATReLU and dReLU: they compute ReLU only, twell.reference.gates)."""
+    misaligned weights, a shape they do not take), ``no_decode_why`` for the decoding op (which takes
+    wider layers than the other kernels and every gate variant), ``no_train_why`` for the training op,
+    ``gate_why`` for the kernels but the decoding op on this layer's gate (FATReLU and dReLU: they compute
+    ReLU only, twell.reference.gates). A layer only the decoding op runs ("decode-only": a gate variant,
+    or a width the other kernels do not take) runs dense but on few rows (:func:`_auto_decode`)."""
 
     path: str
     hidden_size: int
@@ -100,6 +103,7 @@ class LayerState:
     no_sparse_why: str
     weight_dtypes: tuple[torch.dtype, ...]  # the projections' distinct weight dtypes, in projection order
     no_kernel_why: str
+    no_decode_why: str
     no_train_why: str
     decode_rows: int
     dense_rows: Optional[tuple[int, int]]
@@ -217,9 +221,19 @@ def _auto_kernel(state: LayerState, rows: int, *, compiling: bool, capturing: bo
     return _sparse_op(state, rows, "kernel", state.choice_note or "auto: kernels", checked=True, note=state.choice_note)
 
 
+def decode_only_why(state: LayerState) -> str:
+    """Why only the decoding op of the kernels runs this layer ('' when the others run it too, or when the
+    decoding op cannot either): a gate variant, or a width the other kernels do not take."""
+    other = state.gate_why or state.no_kernel_why
+    if not other or state.no_decode_why or not state.gated or state.no_kernel_why.startswith(UNAVAILABLE):
+        return ""
+    return other
+
+
 def auto_route(state: LayerState, x: torch.Tensor) -> tuple[str, str]:
-    """Where "auto" sends x before its activity decision: ``("dense" | "reference" | "kernel", why)``,
-    ``why`` empty for the kernels."""
+    """Where "auto" sends x before its activity decision: ``("dense" | "reference" | "kernel" | "decode",
+    why)``, ``why`` empty for the kernels; "decode": only the decoding op can run the layer (why not the
+    others), so it runs dense but on as few rows as the op beats dense on (:func:`_auto_decode`)."""
     if state.activation not in SPARSE_ACTIVATIONS:
         return "dense", f"activation {state.activation}: the sparse paths need relu (or its gate variants)"
     if state.track:
@@ -232,10 +246,30 @@ def auto_route(state: LayerState, x: torch.Tensor) -> tuple[str, str]:
         return "dense", why
     if not x.is_cuda:
         return "reference", f"input on {x.device}"
+    why = decode_only_why(state)
+    if why:
+        return "decode", why
     if state.gate_why:
         # exact either way; on the GPU plain PyTorch is much faster than the reference's gathers
         return "dense", state.gate_why
     return ("reference", state.no_kernel_why) if state.no_kernel_why else ("kernel", "")
+
+
+def _auto_decode(state: LayerState, rows: int, why: str, *, compiling: bool, capturing: bool) -> Route:
+    """"auto" on a decode-only layer (``why``: what keeps the other kernels off it): dense, but for the
+    decoding op on up to ``decode_max_rows`` rows, the rows whose expected union of active neurons the
+    measured activity keeps small enough for the op to beat dense (SparseFFN.decode_max_rows). Dense
+    calls measure the activity until it is known (the first call with rows outside a capture)."""
+    if state.auto_dense is None:
+        note = f"auto: dense ({why}; the decoding op on few rows once the layer's activity is measured)"
+        return Route("dense", "torch", note, measure=rows > 0 and not compiling and not capturing, note=note)
+    if 0 < rows <= state.decode_max_rows and not state.keep_gate and not _in(state.dense_rows, rows):
+        note = (f"auto: the decoding op on up to {state.decode_max_rows} rows, dense on more ({why})"
+                + (f"; {state.choice_note}" if state.choice_note else ""))
+        return Route("decode", "kernel", f"{note}; {rows} rows: decoding op", checked=True, note=note)
+    note = f"auto: dense at {rows} rows ({why}" + (
+        f"; the decoding op on up to {state.decode_max_rows} rows)" if state.decode_max_rows else ")")
+    return Route("dense", "torch", note, note=note)
 
 
 def _dtypes(state: LayerState) -> list[str]:
@@ -271,6 +305,8 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
         if route == "reference":
             note = f"auto: TwELL reference ({why})"
             return _sparse_op(state, n, "reference", note, note=note)
+        if route == "decode":
+            return _auto_decode(state, n, why, compiling=compiling, capturing=capturing)
         return _auto_kernel(state, n, compiling=compiling, capturing=capturing)
     if path == "dense":
         return Route("dense", "torch", "path 'dense'")
@@ -284,6 +320,14 @@ def plan(state: LayerState, x: torch.Tensor, *, grad_enabled: bool, compiling: b
     if state.no_sparse_why:
         raise ValueError(f"path={path!r} cannot run this layer: {state.no_sparse_why} (path='auto' runs it dense)")
     if path == "kernel":
+        only = decode_only_why(state)
+        if only and not state.track and not state.keep_gate:
+            if 0 < n <= state.decode_rows:
+                return Route("decode", "kernel", f"path 'kernel': the decoding op ({only}); {n} rows <= "
+                             f"decode_rows {state.decode_rows}")
+            raise ValueError(f"path='kernel' runs this layer on the decoding op only, on 1 to decode_rows="
+                             f"{state.decode_rows} rows ({only}); this call has {n} rows (path='auto' runs "
+                             "the others dense)")
         if state.gate_why:
             raise ValueError(f"path='kernel' cannot run this layer: {state.gate_why} (path='reference' or 'dense' "
                              "compute it exactly; 'auto' chooses)")

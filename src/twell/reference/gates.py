@@ -36,8 +36,11 @@ def check_gate_settings(threshold, up_relu) -> tuple[float, bool]:
 
 
 def gate_act(g: Tensor, threshold: float = 0.0) -> Tensor:
-    """FATReLU: ``g`` where ``g > threshold`` (NaN kept), else 0; ``threshold=0`` is ReLU."""
-    return torch.where(g <= threshold, torch.zeros((), dtype=g.dtype, device=g.device), g)
+    """FATReLU: ``g`` where ``g > threshold`` (NaN kept), else 0; ``threshold=0`` is ReLU (torch.relu, one
+    kernel: it keeps NaN too)."""
+    if not threshold:
+        return torch.relu(g)
+    return torch.where(g <= threshold, 0.0, g)
 
 
 def hidden(g: Tensor, u: Tensor, threshold: float = 0.0, up_relu: bool = False) -> Tensor:
@@ -59,14 +62,15 @@ def settings(activation: str, threshold: float) -> tuple[float, bool]:
 
 
 def kernel_gate_unsupported(threshold: float = 0.0, up_relu: bool = False) -> str:
-    """Why the CUDA kernels (twell.kernels) cannot compute this gate variant, '' for ReLU: they compare
-    the gate against 0 and take the up product as it is (docs/models.md#what-the-kernels-do-not-support-yet).
-    Stated here once for the kernels' ops, the planner and SparseFFN."""
+    """Why the CUDA kernels (twell.kernels) but the decoding op cannot compute this gate variant, '' for
+    ReLU: they compare the gate against 0 and take the up product as it is
+    (docs/models.md#what-the-kernels-do-not-support-yet). Stated here once for the kernels' ops, the planner
+    and SparseFFN."""
     threshold, up_relu = check_gate_settings(threshold, up_relu)
     if threshold:
         return (f"FATReLU (gate threshold {threshold:g}): the kernels' gate epilogue compares against 0 only; "
-                "the reference and dense paths compute it")
+                "the decoding op, the reference and dense paths compute it")
     if up_relu:
         return ("dReLU (ReLU on the up projection too): the kernels' fused up/down multiplies by the up product "
-                "as it is; the reference and dense paths compute it")
+                "as it is; the decoding op, the reference and dense paths compute it")
     return ""
