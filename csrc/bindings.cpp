@@ -58,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("heavy"), py::arg("ent"), py::arg("items"), py::arg("longs"), py::arg("sizes"), py::arg("slots"),
         py::arg("column_parts") = 0, py::arg("rows_done") = py::none());
   m.def("transpose_bf16", &transpose_bf16, "bf16 matrix transpose");
+  m.def("gate_product", &gate_product, "a gate variant's dense hidden state in one kernel", py::arg("g"), py::arg("u"),
+        py::arg("threshold"), py::arg("up_relu"));
   m.def("train_heavy_grads", &train_heavy_grads, "the heavy rows' elementwise backward (h, du, dg)", py::arg("g"),
         py::arg("u"), py::arg("ds"), py::arg("l1_grad") = py::none());
   m.def("train_worklist", &train_worklist, "the weight-gradient kernel's work list (no host sync)");

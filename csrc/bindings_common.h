@@ -139,6 +139,7 @@ std::vector<at::Tensor> train_columns(const at::Tensor& ent, const at::Tensor& i
 std::vector<at::Tensor> train_worklist(const at::Tensor& idx, const at::Tensor& nnz, int64_t H, int64_t slots,
                                        int64_t chunk);
 at::Tensor transpose_bf16(const at::Tensor& w);
+at::Tensor gate_product(const at::Tensor& g, const at::Tensor& u, double threshold, bool up_relu);
 std::vector<at::Tensor> train_heavy_grads(const at::Tensor& g, const at::Tensor& u, const at::Tensor& ds,
                                           const c10::optional<at::Tensor>& l1_grad);
 std::vector<at::Tensor> train_forward(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,

@@ -255,6 +255,21 @@ at::Tensor transpose_bf16(const at::Tensor& w) {
   return t;
 }
 
+// A gate variant's dense hidden state (g, u contiguous bf16 CUDA tensors of one shape): PyTorch's
+// where(g <= t, 0, g) * (relu(u) if up_relu else u), in one kernel (twell_train.cu).
+at::Tensor gate_product(const at::Tensor& g, const at::Tensor& u, double threshold, bool up_relu) {
+  for (const at::Tensor* t : {&g, &u})
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->sizes() == g.sizes() &&
+                    t->device() == g.device(),
+                "twell.gate_product: g and u must be contiguous bf16 CUDA tensors of one shape and device");
+  const c10::cuda::CUDAGuard guard(g.device());
+  at::Tensor h = at::empty_like(g);
+  check_launch(twell::launch_gate_product(g.data_ptr(), u.data_ptr(), h.data_ptr(), size_t(g.numel()),
+                                          float(threshold), up_relu, c10::cuda::getCurrentCUDAStream()),
+               "gate_product");
+  return h;
+}
+
 // The heavy rows' elementwise backward (g, u, ds bf16 of one shape, contiguous; l1_grad fp32 [1] or absent):
 // (h, du, dg), the values of PyTorch's bf16 sequence relu, mul, sign * l1, add, mul, where (twell_train.cu).
 std::vector<at::Tensor> train_heavy_grads(const at::Tensor& g, const at::Tensor& u, const at::Tensor& ds,

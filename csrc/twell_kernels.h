@@ -180,6 +180,10 @@ cudaError_t launch_train_heavy_l1(const int* count, const int* rows, const float
 // du, dg with ds + sign(h) * bf16(*l1_grad) (l1_grad null: no L1 term), rounded as PyTorch's bf16 ops.
 cudaError_t launch_train_heavy_grads(const void* g, const void* u, const void* ds, const float* l1_grad, void* h,
                                      void* du, void* dg, size_t n, cudaStream_t stream);
+// A gate variant's dense hidden state (n values of g and u, bf16): h = (g <= bf16(threshold) ? 0 : g) * u, with
+// up_relu relu(u) for u; PyTorch's bf16 values.
+cudaError_t launch_gate_product(const void* g, const void* u, void* h, size_t n, float threshold, bool up_relu,
+                                cudaStream_t stream);
 cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, const int* incl, int* item_col,
                               int* item_lo, int* item_hi, int* item_part, int* long_col, int* long_lo, int* long_n,
                               bool fill, cudaStream_t stream);

@@ -655,6 +655,31 @@ __global__ void heavy_grads_kernel(const __nv_bfloat16* __restrict__ g, const __
   }
 }
 
+// The dense hidden state of a gate variant in one pass: h = bf16(a * b), a = 0 where g <= t (bf16(t): PyTorch
+// compares a bf16 tensor with a float in bf16) else g, b = u or, with up_relu, 0 where u <= 0 else u. PyTorch's
+// where(g <= t, 0, g), relu(u) and bf16 mul give the same bits: NaN kept, zeros +0.
+__global__ void gate_product_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u,
+                                    __nv_bfloat16* __restrict__ h, size_t n, float t, bool up_relu, bool vec) {
+  const size_t step = size_t(gridDim.x) * blockDim.x;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  auto prod = [&](float gv, float uv) {
+    const float a = gv <= t ? 0.f : gv;
+    return a * (up_relu && uv <= 0.f ? 0.f : uv);
+  };
+  if (vec) {
+    for (; i < n / 8; i += step) {
+      float gv[8], uv[8], hv[8];
+      unpack8(reinterpret_cast<const uint4*>(g)[i], gv);
+      unpack8(reinterpret_cast<const uint4*>(u)[i], uv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) hv[k] = prod(gv[k], uv[k]);
+      reinterpret_cast<uint4*>(h)[i] = pack8(hv);
+    }
+  } else {
+    for (; i < n; i += step) h[i] = __float2bfloat16_rn(prod(__bfloat162float(g[i]), __bfloat162float(u[i])));
+  }
+}
+
 int row_blocks(int M) { return (M + kRowsPerBlock - 1) / kRowsPerBlock; }
 
 size_t row_smem(int slots, int arrays) { return size_t(kStages) * kRowThreads * 16 + size_t(arrays) * slots * 4; }
@@ -785,6 +810,20 @@ cudaError_t launch_train_heavy_grads(const void* g, const void* u, const void* d
   heavy_grads_kernel<<<blocks, 256, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u), static_cast<const __nv_bfloat16*>(ds),
       l1_grad, static_cast<__nv_bfloat16*>(h), static_cast<__nv_bfloat16*>(du), static_cast<__nv_bfloat16*>(dg), n, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gate_product(const void* g, const void* u, void* h, size_t n, float threshold, bool up_relu,
+                                cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  bool vec = n % 8 == 0;
+  for (const void* p : {g, u, static_cast<const void*>(h)}) vec = vec && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  const size_t work = vec ? n / 8 : n;
+  const int blocks = int(std::min<size_t>((work + 255) / 256, 4096));
+  const float t = __bfloat162float(__float2bfloat16_rn(threshold));
+  gate_product_kernel<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(g),
+                                                  static_cast<const __nv_bfloat16*>(u), static_cast<__nv_bfloat16*>(h),
+                                                  n, t, up_relu, vec);
   return cudaGetLastError();
 }
 

@@ -297,3 +297,39 @@ def test_on_cuda_auto_runs_a_variant_dense_and_exact():
             g, u = f.gate_proj(x), f.up_proj(x)
             h = torch.where(g > threshold, g, 0) * (torch.relu(u) if activation == "drelu" else u)
             assert torch.equal(out, f.down_proj(h))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threshold,up_relu", [(0.0, False), (0.01, False), (0.3, False), (0.0, True)])
+@pytest.mark.parametrize("shape", [(1, 11008), (7, 333), (64, 5632), (3, 5, 24)])
+def test_gate_product_kernel_is_the_references_bits(threshold, up_relu, shape):
+    """twell.kernels.gate_product gives twell.reference.gates.hidden's bits, signed zeros, NaN, inf and values at
+    the threshold (in bf16) included, on contiguous and odd shapes."""
+    from twell import kernels
+    from twell.reference.gates import hidden
+
+    gen = torch.Generator("cuda").manual_seed(hash((threshold, up_relu, shape)) % 2**31)
+    g = torch.randn(shape, device="cuda", generator=gen).to(BF)
+    u = torch.randn(shape, device="cuda", generator=gen).to(BF)
+    flat_g, flat_u = g.view(-1), u.view(-1)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, threshold, -threshold],
+                           device="cuda").to(BF)
+    n = min(special.numel(), flat_g.numel())
+    flat_g[:n] = special[:n]
+    flat_u[-n:] = special[:n]
+    got = kernels.gate_product(g, u, threshold, up_relu)
+    want = hidden(g, u, threshold, up_relu)
+    assert got.shape == want.shape and got.dtype == BF
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and bool(nan.any())
+    # bit for bit (signed zeros too) where not NaN; NaN payloads may differ
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_gate_product_refuses_what_it_cannot_run():
+    from twell import kernels
+
+    with pytest.raises(ValueError, match="bf16 CUDA"):
+        kernels.gate_product(torch.zeros(4, 8).to(BF), torch.zeros(4, 8).to(BF), 0.01)
+    with pytest.raises(ValueError, match="threshold"):
+        kernels.gate_product(torch.zeros(4, 8).to(BF), torch.zeros(4, 8).to(BF), -1.0)

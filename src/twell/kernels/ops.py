@@ -165,6 +165,17 @@ def layer_unsupported(D: int, H: int, tile: int = 256, compression: int = SPARSE
     return columns_limit(H) or _tile_limit(tile)
 
 
+def gate_product(g: Tensor, u: Tensor, threshold: float = 0.0, up_relu: bool = False) -> Tensor:
+    """A gate variant's dense hidden state, :func:`twell.reference.gates.hidden` (the same bits), in one kernel
+    where PyTorch runs two or three (compare, where, relu, mul): bf16 CUDA ``g`` and ``u`` of one shape. No
+    autograd: ``SparseFFN``'s dense path takes it for inference calls only."""
+    threshold, up_relu = check_gate_settings(threshold, up_relu)
+    if not (g.is_cuda and g.dtype == torch.bfloat16 and u.dtype == g.dtype and u.shape == g.shape):
+        raise ValueError(f"gate_product takes bf16 CUDA g and u of one shape, got {g.dtype} {tuple(g.shape)} on "
+                         f"{g.device} and {u.dtype} {tuple(u.shape)}")
+    return load().gate_product(g.contiguous(), u.contiguous(), threshold, up_relu)
+
+
 def decode_layer_unsupported(D: int, H: int) -> str:
     """Why the decoding op cannot run a gated layer of width D with H hidden units, or ``""`` when it can
     (it takes wider layers than the other kernels: any D that is a multiple of 64). Builds nothing."""

@@ -593,12 +593,15 @@ class SparseFFN(nn.Module):
             ts = sorted({min(c, self.auto_max_active) for _, c in self.auto_ceilings} | {self.auto_max_active})
             a = next((t for t in ts if a <= t), 1.0 if ts[-1] < 1.0 else a)
         # decode_max_rows matters to planning only on a layer "auto" runs dense (decode-only layers always are)
-        rows = self.decode_max_rows() if self._auto_dense or self._decode_only() else 0
+        # (activity first: _decode_only asks whether the kernels load, which builds them; not at construction)
+        rows = self.decode_max_rows() if self._auto_dense or (self._activity is not None and self._decode_only()) \
+            else 0
         self._auto_stable = (a, rows, self._activity_note is not None)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:
-        """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel", why)``,
-        ``why`` empty for the kernels. A wrong input width raises here, as in forward."""
+        """Where ``"auto"`` sends x, before its activity decision: ``("dense" | "reference" | "kernel" | "decode",
+        why)``, ``why`` empty for the kernels ("decode": only the decoding op runs the layer, routing.auto_route).
+        A wrong input width raises here, as in forward."""
         return routing.auto_route(self.layer_state(), x)
 
     def recording(self, x: torch.Tensor) -> bool:
@@ -699,6 +702,14 @@ class SparseFFN(nn.Module):
         if self.activation in ("fatrelu", "drelu"):
             threshold, up_relu = self.gate_settings()
             g, u = self.gate_proj(x), self.up_proj(x)
+            if (g.is_cuda and g.dtype == torch.bfloat16 and u.dtype == g.dtype and not torch.compiler.is_compiling()
+                    and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad))
+                    and not torch.jit.is_tracing() and not _kernels_unavailable()):
+                # one kernel for where/relu and the product (the same bits as eager PyTorch): compiled code
+                # fuses them itself, training needs autograd's, a TorchScript trace would not record it
+                from twell import kernels
+
+                return g, kernels.gate_product(g, u, threshold, up_relu), u
             return g, gates.hidden(g, u, threshold, up_relu), u
         act = ACTIVATIONS[self.activation]
         if self.gated:
