@@ -418,10 +418,6 @@ class SparseFFN(nn.Module):
         threshold, up_relu = self.gate_settings()
         return {"threshold": threshold, "up_relu": up_relu}
 
-    def _decode_only(self) -> bool:
-        """Whether, of the kernels, only the decoding op runs this layer (routing.decode_only_why)."""
-        return bool(self.activation in gates.SPARSE_ACTIVATIONS and (self._gate_why() or self._no_kernel_layer())
-                    and not self._no_decode_layer())
 
     def _gate_why(self) -> str:
         """Why the kernels cannot compute this layer's gate ('' for ReLU, and for SiLU, which no sparse path runs)."""
@@ -455,8 +451,9 @@ class SparseFFN(nn.Module):
             return f"{columns_limit(self.intermediate_size)} (this layer's intermediate size)"
         return self._bypassed()
 
-    def _no_kernel_layer(self) -> str:
-        """Why the kernels cannot run this layer on any CUDA input; '' when they can."""
+    def _no_kernels_here(self) -> str:
+        """Why no kernel can read this layer's weights in this process (kernels unavailable, a misaligned gate
+        or up weight); '' when they can. The common start of _no_kernel_layer and _no_decode_layer."""
         from twell import kernels
 
         why = _kernels_unavailable()
@@ -466,21 +463,23 @@ class SparseFFN(nn.Module):
             m = getattr(self, name)
             if m is not None and kernels.misaligned(m.weight):
                 return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
-        return kernels.layer_unsupported(self.hidden_size, self.intermediate_size, self.tile, self.compression)
+        return ""
+
+    def _no_kernel_layer(self) -> str:
+        """Why the kernels cannot run this layer on any CUDA input; '' when they can."""
+        from twell import kernels
+
+        return self._no_kernels_here() or kernels.layer_unsupported(self.hidden_size, self.intermediate_size,
+                                                                    self.tile, self.compression)
 
     def _no_decode_layer(self) -> str:
         """Why the decoding op cannot run this layer on any CUDA input; '' when it can (it takes wider
         layers than the other kernels, and every gate variant)."""
         from twell import kernels
 
-        why = _kernels_unavailable()
-        if why:
-            return routing.UNAVAILABLE + why
-        if not self.gated:
-            return "the decoding op runs gated layers"
-        for name in ("gate_proj", "up_proj"):
-            if kernels.misaligned(getattr(self, name).weight):
-                return f"{name}.weight does not start on 16 bytes (a view into a flat buffer?)"
+        why = self._no_kernels_here()
+        if why or not self.gated:
+            return why or "the decoding op runs gated layers"
         return kernels.decode_layer_unsupported(self.hidden_size, self.intermediate_size)
 
     def _no_train_layer(self) -> str:
@@ -593,9 +592,9 @@ class SparseFFN(nn.Module):
             ts = sorted({min(c, self.auto_max_active) for _, c in self.auto_ceilings} | {self.auto_max_active})
             a = next((t for t in ts if a <= t), 1.0 if ts[-1] < 1.0 else a)
         # decode_max_rows matters to planning only on a layer "auto" runs dense (decode-only layers always are)
-        # (activity first: _decode_only asks whether the kernels load, which builds them; not at construction)
-        rows = self.decode_max_rows() if self._auto_dense or (self._activity is not None and self._decode_only()) \
-            else 0
+        # (activity first: the state asks whether the kernels load, which builds them; not at construction)
+        decode_only = self._activity is not None and routing.decode_only_why(self._build_state(training_only=True))
+        rows = self.decode_max_rows() if self._auto_dense or decode_only else 0
         self._auto_stable = (a, rows, self._activity_note is not None)
 
     def auto_route(self, x: torch.Tensor) -> tuple[str, str]:

@@ -225,7 +225,8 @@ def decode_only_why(state: LayerState) -> str:
     """Why only the decoding op of the kernels runs this layer ('' when the others run it too, or when the
     decoding op cannot either): a gate variant, or a width the other kernels do not take."""
     other = state.gate_why or state.no_kernel_why
-    if not other or state.no_decode_why or not state.gated or state.no_kernel_why.startswith(UNAVAILABLE):
+    if (not other or state.no_decode_why or not state.gated or state.no_kernel_why.startswith(UNAVAILABLE)
+            or state.activation not in SPARSE_ACTIVATIONS):
         return ""
     return other
 
