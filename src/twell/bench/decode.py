@@ -111,8 +111,10 @@ def gate_kwargs(cfg: DecodeBenchConfig) -> dict:
 
 
 def gate_settings(cfg: DecodeBenchConfig) -> tuple[float, bool]:
-    """(threshold, up_relu) of ``cfg.gate`` (twell.reference.gates)."""
-    return cfg.threshold if cfg.gate == "fatrelu" else 0.0, cfg.gate == "drelu"
+    """(threshold, up_relu) of ``cfg.gate`` (twell.reference.gates.settings)."""
+    from twell.reference.gates import settings
+
+    return settings(cfg.gate, cfg.threshold)
 
 
 def variant_inputs(cfg: DecodeBenchConfig, x, w_gate, w_up) -> tuple[torch.Tensor, torch.Tensor]:

@@ -378,14 +378,19 @@ def graph_token_check(model, prompt: torch.Tensor, new: int, sparse_path: str = 
     first = _first_diffs(toks["dense"], toks[sparse_path])
     differ = (toks["forced dense"] != toks["forced " + sparse_path]).nonzero().tolist()
     d = top["dense"]
-    margins = [float(d[r, i, 0] - d[r, i, 1]) for r, i in differ]
-    steps = [float(torch.finfo(torch.bfloat16).eps) * max(abs(float(d[r, i, 0])), 1e-30) for r, i in differ]
+    at = [{"row": r, "step": i, **_tie(d[r, i, 0], d[r, i, 1])} for r, i in differ]
     return {"same": all(f is None for f in first), "first_diff": first, "new_tokens": new,
-            "forced": {"steps": int(forced.numel()), "differ": [{"row": r, "step": i, "margin": m, "bf16_step": st,
-                                                                 "near_tie": m <= 4 * st}
-                                                                for (r, i), m, st in zip(differ, margins, steps)],
+            "forced": {"steps": int(forced.numel()), "differ": at,
                        "dense_reproduces_itself": bool(torch.equal(toks["forced dense"], forced)),
-                       "all_near_ties": all(m <= 4 * st for m, st in zip(margins, steps))}}
+                       "all_near_ties": all(a["near_tie"] for a in at)}}
+
+
+def _tie(top1: torch.Tensor, top2: torch.Tensor) -> dict:
+    """The dense path's top-2 logits at a step where the paths' tokens differ: their ``margin``, ``bf16_step``
+    (the bf16 spacing at the top logit) and ``near_tie`` (the margin within 4 such steps, BENCHMARK.md)."""
+    margin = float(top1 - top2)
+    step = float(torch.finfo(torch.bfloat16).eps) * max(abs(float(top1)), 1e-30)
+    return {"margin": margin, "bf16_step": step, "near_tie": bool(margin <= 4 * step)}
 
 
 def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_path: str = "auto") -> dict:
@@ -416,9 +421,7 @@ def greedy_token_check(model, prompt: torch.Tensor, new: int, pad: int, sparse_p
             rows.append({"first_diff": None})
             continue
         top = d.scores[i][r].float().topk(2).values
-        step = float(torch.finfo(torch.bfloat16).eps) * max(abs(float(top[0])), 1e-30)
-        rows.append({"first_diff": i, "margin": float(top[0] - top[1]), "bf16_step": step,
-                     "near_tie": bool(float(top[0] - top[1]) <= 4 * step)})
+        rows.append({"first_diff": i, **_tie(top[0], top[1])})
     return {"same": all(r["first_diff"] is None for r in rows), "rows": rows, "new_tokens": new,
             "all_divergences_near_ties": all(r["first_diff"] is None or r["near_tie"] for r in rows)}
 
