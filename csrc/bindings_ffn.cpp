@@ -33,8 +33,8 @@ at::Tensor ffn_forward(const at::Tensor& x, const at::Tensor& tw, const c10::opt
   check_tiling(tile, compression, "twell.ffn", false);
   const int64_t M = x.size(0), D = x.size(1), H = w_down_t.size(0), S = tile / compression;
   TORCH_CHECK(w_down_t.size(1) == D, "twell.ffn: w_down_t must be [H, D]");
-  TORCH_CHECK(D >= 64 && D % 64 == 0 && D <= 2048, "twell.ffn: D must be a positive multiple of 64, at most 2048, "
-              "got ", D);
+  TORCH_CHECK(D >= 64 && D % 64 == 0 && D <= twell::kFfnMaxD, "twell.ffn: D must be a positive multiple of 64, at most ",
+              twell::kFfnMaxD, ", got ", D);
   TORCH_CHECK(tile >= 2 && tile <= 4096, "twell.ffn: tile must be in [2, 4096], got ", tile);
   check_twell_words(tw, M, H, tile, S, "ffn");
   check_on_device_of(x, tw, "the TwELL words", "ffn");
@@ -90,7 +90,7 @@ at::Tensor sparse_ffn(const at::Tensor& x, const at::Tensor& w_gate, const at::T
                 " must be [H, D] like w_gate, on x's device");
   }
   const int64_t M = x.size(0), D = x.size(1), H = w_gate.size(0);
-  TORCH_CHECK(D <= 2048, "twell.sparse_ffn: the fused kernel needs D <= 2048, got ", D);
+  TORCH_CHECK(D <= twell::kFfnMaxD, "twell.sparse_ffn: the fused kernel needs D <= ", twell::kFfnMaxD, ", got ", D);
   const int64_t S = tile / compression, cap = spill_cap;
   const twell::FfnPaths paths = ffn_paths(M, union_ratio, union_base, dense_cap_rows, "twell.sparse_ffn");
   at::Tensor tw = at::empty({M, ((H + tile - 1) / tile) * S}, x.options().dtype(at::kUInt32));

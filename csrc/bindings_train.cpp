@@ -9,7 +9,7 @@ namespace twell::bind {
 namespace {
 
 void check_train_width(int64_t D, const char* op) {
-  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= 2048, op, ": D must be a multiple of 8 in [8, 2048], got ", D);
+  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= 8192, op, ": D must be a multiple of 8 in [8, 8192], got ", D);
 }
 
 void check_int_matrix(const at::Tensor& t, int64_t rows, int64_t cols, const char* name, const char* op) {

@@ -273,6 +273,7 @@ __device__ __forceinline__ Ring init_ring(Smem& sm, int warp, int lane) {
 
 // The warp's next light row from the device queue, its entries decoded into dst (*n of them); heavy
 // rows met on the way are queued for the heavy kernel. -1 when the queue is empty.
+template <int CAP = LIST_CAP>
 __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_rows, const Params& p, int lane) {
   for (;;) {
     uint32_t idx = lane == 0 ? atomicAdd(p.heavy + Q_NEXT_LIGHT, 1u) : 0u;
@@ -284,7 +285,7 @@ __device__ __forceinline__ int take_light_row(uint32_t* dst, int* n, uint32_t n_
         while (ld_acquire(p.ready + row / 32) < p.ready_target) __nanosleep(128);
       __syncwarp();  // orders the other lanes' reads of the row after lane 0's acquire
     }
-    *n = row_entries<LIST_CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
+    *n = row_entries<CAP>(dst, p.tw + size_t(row) * p.n_tiles * p.S, p.spill, p.n_tiles, p.S, lane);
     if (*n >= 0) return row;
     uint32_t h = lane == 0 ? atomicAdd(p.heavy + Q_HEAVY_COUNT, 1u) : 0u;
     h = __shfl_sync(0xffffffffu, h, 0);
@@ -422,6 +423,289 @@ __global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
   }
 }
 
+// ---- Wide rows: D > 2048 (up to 8192) ----------------------------------------------------------
+//
+// A row of x and of its output no longer fit a warp's registers, so D goes in panels of PW columns.
+// Light row (one warp): first every entry's up dot product, panel by panel (x's panel in registers,
+// one copy per entry and panel, the partial sums kept per entry in shared memory), then the output,
+// panel by panel (the panel's fp32 accumulator in registers, one down-row copy per entry and panel).
+// The weight bytes moved are the same as at D <= 2048; the ring holds KW panel copies of 4 KB.
+// Heavy row (one CTA): the warps split the group's entries for the up dots, then each warp owns
+// D / WARPS output columns (at most 1024: D <= 8192) and streams that slice of every entry's down
+// row, so no cross-warp reduction of outputs is needed.
+namespace wide {
+constexpr int PW = 2048;      // panel columns
+constexpr int PSTAGE = 4096;  // bytes of one ring stage: a panel of one weight row
+constexpr int KW = 6;         // stages per warp (the same 24 KB ring as the narrow kernels)
+constexpr int SCH = 4;        // heavy kernel: a warp's output slice, in chunks of 256 columns
+// Entries per light row. Twice the narrow kernels' 128: the wide shapes have more hidden units (11008 to
+// 32768), so a row computed densely costs more and per-row gathers stay cheaper to more entries (at 0.5%
+// active, a 70B layer's rows hold 143).
+constexpr int WCAP = 256;
+
+struct Smem {
+  alignas(128) uint8_t ring[WARPS][KW][PSTAGE];
+  union {
+    struct {
+      uint32_t list[WARPS][2][WCAP];  // current and next row's entries
+      float u[WARPS][WCAP];           // their up dot products
+    } light;
+    struct {
+      uint32_t flat[FLAT];  // the group's entries
+      float u[FLAT];        // their up dot products
+    } heavy;
+  };
+  uint64_t bar[WARPS][KW];
+  uint32_t group_off[33];
+  uint32_t unstored;  // heavy: bit i set when the group's tile i overflowed without a spill copy
+  uint32_t next_heavy;
+  float red[WARPS][2];
+};
+constexpr int SMEM_BYTES = sizeof(Smem) + 128;
+static_assert(SMEM_BYTES <= 227 * 1024, "wide FFN shared memory");
+
+__host__ __device__ inline int panels(int D) { return (D + PW - 1) / PW; }
+__device__ __forceinline__ int panel_cols(int panel, int D) { return min(PW, D - panel * PW); }
+
+struct WRing {
+  uint8_t* buf;
+  uint64_t* bar;
+  uint32_t issued, consumed;
+};
+
+__device__ __forceinline__ void issue(WRing& r, const __nv_bfloat16* src, uint32_t bytes) {
+  const int s = r.issued % KW;
+  fence_async_smem();  // earlier generic reads of this stage
+  mbar_expect_tx(&r.bar[s], bytes);
+  bulk_copy(r.buf + s * PSTAGE, src, bytes, &r.bar[s]);
+  ++r.issued;
+}
+
+__device__ __forceinline__ uint32_t wait(WRing& r) {
+  const int s = r.consumed % KW;
+  mbar_wait(&r.bar[s], (r.consumed / KW) & 1);
+  ++r.consumed;
+  return smem_u32(r.buf) + s * PSTAGE;
+}
+
+__device__ __forceinline__ Smem& smem_ref() { return *reinterpret_cast<Smem*>(aligned_smem<128>()); }
+
+__device__ __forceinline__ WRing init_ring(Smem& sm, int warp, int lane) {
+  if (lane == 0)
+    for (int s = 0; s < KW; ++s) mbar_init(&sm.bar[warp][s], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncwarp();
+  return WRing{sm.ring[warp][0], sm.bar[warp], 0, 0};
+}
+
+// Copy j of a light row with n entries: first P * n up panels (gated), then P * n down panels, each
+// phase panel-major (the entries of panel 0, then of panel 1, ...).
+__device__ __forceinline__ void issue_light(WRing& r, const Params& p, const uint32_t* list, int n, int j,
+                                            bool gated) {
+  const int half = gated ? panels(p.D) * n : 0;
+  const bool up = j < half;
+  const int k = up ? j : j - half;
+  const int panel = k / n, e = k % n;
+  const __nv_bfloat16* w = up ? p.w_up : p.w_down_t;
+  issue(r, w + size_t(entry_col(list[e])) * p.D + panel * PW, uint32_t(panel_cols(panel, p.D)) * 2);
+}
+
+// Up dot products of list[0..n) for one row (x_row), through the ring: u[e] = x . w_up[entry e].
+// The ring is empty after; before, it is empty or holds the first copies (prefill_up).
+__device__ __forceinline__ void prefill_up(WRing& r, const Params& p, const uint32_t* list, int n, int lane) {
+  if (lane == 0)
+    for (int j = 0; j < panels(p.D) * n && j < KW; ++j) issue_light(r, p, list, n, j, true);
+}
+
+__device__ void up_dots(float* u, const __nv_bfloat16* x_row, const uint32_t* list, int n, WRing& r,
+                        const Params& p, int lane, bool prefilled) {
+  const int P = panels(p.D), J = P * n;
+  if (!prefilled) prefill_up(r, p, list, n, lane);
+  int j = 0;
+  for (int panel = 0; panel < P; ++panel) {
+    const int cols = panel_cols(panel, p.D);
+    RowF<8> x;
+    load_x<8>(x, x_row + panel * PW, lane, cols);
+    for (int e = 0; e < n; ++e, ++j) {
+      const float part = dot_smem<8, false>(x, wait(r), lane, cols);
+      __syncwarp();  // every lane is done with the stage before lane 0 refills it
+      if (lane == 0) {
+        u[e] = panel == 0 ? part : u[e] + part;
+        if (j + KW < J) issue_light(r, p, list, n, j + KW, true);
+      }
+    }
+  }
+  __syncwarp();  // lane 0's sums are visible to the warp
+}
+
+template <bool GATED>
+__global__ void __launch_bounds__(WARPS * 32, 1) light_kernel(const Params p) {
+  Smem& sm = smem_ref();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WRing ring = init_ring(sm, warp, lane);
+  const uint32_t n_rows = p.light_rows ? *reinterpret_cast<const volatile uint32_t*>(p.n_light) : uint32_t(p.M);
+  const int P = panels(p.D);
+  float* u = sm.light.u[warp];
+  int cur = 0, n_cur = 0;
+  int row = take_light_row<WCAP>(sm.light.list[warp][0], &n_cur, n_rows, p, lane);
+  while (row >= 0) {
+    const uint32_t* list = sm.light.list[warp][cur];
+    // The next row is decoded while the current row's first copies are in flight.
+    const int J_down = P * n_cur;
+    if (GATED) prefill_up(ring, p, list, n_cur, lane);
+    else if (lane == 0)
+      for (int j = 0; j < J_down && j < KW; ++j) issue_light(ring, p, list, n_cur, j, false);
+    int n_next = 0;
+    const int row_next = take_light_row<WCAP>(sm.light.list[warp][cur ^ 1], &n_next, n_rows, p, lane);
+    if (GATED && n_cur > 0) {
+      up_dots(u, p.x + size_t(row) * p.D, list, n_cur, ring, p, lane, true);
+      if (lane == 0)
+        for (int j = 0; j < J_down && j < KW; ++j) issue_light(ring, p, list, n_cur, j, false);
+    }
+    int j = 0;
+    for (int panel = 0; panel < P; ++panel) {
+      float acc[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      for (int e = 0; e < n_cur; ++e, ++j) {
+        float s = entry_value(list[e]);
+        if (GATED) s *= u[e];
+        axpy_smem<8>(acc, s, wait(ring), lane);
+        __syncwarp();
+        if (lane == 0 && j + KW < J_down) issue_light(ring, p, list, n_cur, j + KW, false);
+      }
+      store_row<8>(acc, p.out + size_t(row) * p.D + panel * PW, lane, panel_cols(panel, p.D));
+    }
+    __syncwarp();  // the list and sums are rewritten by the row after next
+    row = row_next;
+    n_cur = n_next;
+    cur ^= 1;
+  }
+}
+
+// Exact recompute of one overflowing tile without a spill copy, by the whole CTA: each warp sums
+// its column slice of the gate and up dot products, the slices are added in warp order.
+template <bool GATED>
+__device__ void recompute_tile_cta(float (&acc)[SCH * 8], const RowF<SCH>& xs, int t, int c0, int sw, Smem& sm,
+                                   const Params& p, int warp, int lane) {
+  const int n_end = min(p.H, (t + 1) * p.T);
+  for (int n = t * p.T; n < n_end; ++n) {
+    Row<SCH> w;
+    load_row_global<SCH>(w, p.w_act + size_t(n) * p.D + c0, lane, sw);
+    float g = 0.f, up = 0.f;
+#pragma unroll
+    for (int c = 0; c < SCH; ++c) g += dot8(xs.v + 8 * c, w.v[c]);
+    if (GATED) {
+      load_row_global<SCH>(w, p.w_up + size_t(n) * p.D + c0, lane, sw);
+#pragma unroll
+      for (int c = 0; c < SCH; ++c) up += dot8(xs.v + 8 * c, w.v[c]);
+    }
+    g = warp_sum(g);
+    up = warp_sum(up);
+    if (lane == 0) {
+      sm.red[warp][0] = g;
+      sm.red[warp][1] = up;
+    }
+    __syncthreads();
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k) {
+      gs += sm.red[k][0];
+      us += sm.red[k][1];
+    }
+    __syncthreads();  // red is rewritten by the next neuron
+    const __nv_bfloat16 hb = relu_bf16(gs);
+    if (__bfloat16_as_ushort(hb) == 0) continue;
+    const float s = GATED ? __bfloat162float(hb) * us : __bfloat162float(hb);
+    load_row_global<SCH>(w, p.w_down_t + size_t(n) * p.D + c0, lane, sw);
+#pragma unroll
+    for (int c = 0; c < SCH; ++c) axpy8(acc + 8 * c, s, w.v[c]);
+  }
+}
+
+template <bool GATED>
+__global__ void __launch_bounds__(WARPS * 32, 1) heavy_kernel(const Params p) {
+  Smem& sm = smem_ref();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WRing ring = init_ring(sm, warp, lane);
+  uint32_t* flat = sm.heavy.flat;
+  float* u = sm.heavy.u;
+  const int G = min(32, FLAT / p.T);
+  const int sw = p.D / WARPS, c0 = warp * sw;  // this warp's output columns
+  const uint32_t n_heavy = *reinterpret_cast<volatile uint32_t*>(p.heavy + Q_HEAVY_COUNT);
+  const uint32_t first = dense_takes_queue(n_heavy, p.dense_cap) ? n_heavy : 0u;
+  for (;;) {
+    if (threadIdx.x == 0) sm.next_heavy = atomicAdd(p.heavy + Q_NEXT_HEAVY, 1u);
+    __syncthreads();
+    const uint32_t h = sm.next_heavy + first;
+    if (h >= n_heavy) break;
+    const int row = int(p.heavy[Q_ROWS + h]);
+    const __nv_bfloat16* x_row = p.x + size_t(row) * p.D;
+    float acc[SCH * 8];
+#pragma unroll
+    for (int i = 0; i < SCH * 8; ++i) acc[i] = 0.f;
+    bool complete = true;
+    for (int g0 = 0; g0 < p.n_tiles; g0 += G) {
+      const int gn = min(G, p.n_tiles - g0);
+      if (warp == 0) {
+        uint32_t c = 0;
+        bool stored = true;
+        if (lane < gn) {
+          const TileEntries ti = tile_info(p, row, g0 + lane);
+          stored = ti.stored;
+          c = ti.stored ? min(ti.count, uint32_t(p.T)) : 0u;
+        }
+        const uint32_t incl = warp_incl_scan(c, lane);
+        sm.group_off[lane] = incl - c;
+        if (lane == 31) sm.group_off[32] = incl;
+        const uint32_t bad = __ballot_sync(0xffffffffu, !stored);
+        if (lane == 0) sm.unstored = bad;
+      }
+      __syncthreads();
+      for (int i = warp; i < gn; i += WARPS) {
+        const TileEntries ti = tile_info(p, row, g0 + i);
+        if (!ti.stored) continue;
+        uint32_t* dst = flat + sm.group_off[i];
+        const uint32_t cnt = sm.group_off[i + 1] - sm.group_off[i];
+        for (uint32_t j = lane; j < cnt; j += 32) dst[j] = ld_cg(ti.entries + j);
+      }
+      __syncthreads();
+      const int n = int(sm.group_off[32]);
+      if (GATED) {
+        const int lo = n * warp / WARPS, hi = n * (warp + 1) / WARPS;
+        if (hi > lo) up_dots(u + lo, x_row, flat + lo, hi - lo, ring, p, lane, false);
+        __syncthreads();
+      }
+      // The warp's slice of every entry's down row.
+      if (lane == 0)
+        for (int j = 0; j < n && j < KW; ++j)
+          issue(ring, p.w_down_t + size_t(entry_col(flat[j])) * p.D + c0, uint32_t(sw) * 2);
+      for (int e = 0; e < n; ++e) {
+        float s = entry_value(flat[e]);
+        if (GATED) s *= u[e];
+        axpy_smem<SCH>(acc, s, wait(ring), lane);
+        __syncwarp();
+        if (lane == 0 && e + KW < n)
+          issue(ring, p.w_down_t + size_t(entry_col(flat[e + KW])) * p.D + c0, uint32_t(sw) * 2);
+      }
+      const uint32_t bad = sm.unstored;
+      if (bad != 0) {
+        if (p.w_act == nullptr) {
+          complete = false;
+        } else {
+          RowF<SCH> xs;
+          load_x<SCH>(xs, x_row + c0, lane, sw);
+          for (int i = 0; i < gn; ++i)
+            if (bad >> i & 1u) recompute_tile_cta<GATED>(acc, xs, g0 + i, c0, sw, sm, p, warp, lane);
+        }
+      }
+      __syncthreads();  // the next group rewrites the list and the sums
+    }
+    if (complete) store_row<SCH>(acc, p.out + size_t(row) * p.D + c0, lane, sw);
+  }
+}
+}  // namespace wide
+
 // The one optional path a call may take: the block-union one.
 enum class Optional { none, block_union };
 inline Optional optional_path(int D, int H, bool gated, const FfnPaths& paths) {
@@ -485,13 +769,47 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& path
   return cudaGetLastError();
 }
 
+// D > 2048: the wide kernels (no optional path: the block-union one stops at D = 2048).
+template <bool GATED>
+cudaError_t launch_wide(const Params& p, int device, cudaStream_t stream, int max_sms) {
+  auto light = wide::light_kernel<GATED>;
+  auto heavy = wide::heavy_kernel<GATED>;
+  cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, wide::SMEM_BYTES);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, wide::SMEM_BYTES);
+  int sms = 0;
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (max_sms > 0) sms = std::min(sms, max_sms);
+  const bool after_gate = p.ready != nullptr;
+  if (err == cudaSuccess && !after_gate) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
+  if (err != cudaSuccess) return err;
+  const int rows_per_wave = sms * WARPS;
+  const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = wide::SMEM_BYTES;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = after_gate ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, light, p);
+  if (err == cudaSuccess && p.dense_cap > 0)
+    err = launch_dense_rows(p.x, p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
+                            p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, sms, stream);
+  if (err != cudaSuccess) return err;
+  heavy<<<sms, WARPS * 32, wide::SMEM_BYTES, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // ready: null, or the gate kernel's ready counters when the call directly follows that kernel
 // (see launch_ch; no optional path then: its plan kernels read the TwELL first).
 cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, const void* w_act, const void* w_up,
                    const void* w_down_t, void* out, uint32_t* workspace, int M, int D, int H, int tile, int S,
                    FfnPaths paths, int device, cudaStream_t stream, int max_sms, const uint32_t* ready) {
   if (M == 0) return cudaSuccess;
-  if (D % 64 != 0 || D > 2048 || S < 2 || tile % S != 0 || tile > 4096) return cudaErrorInvalidValue;
+  if (D % 64 != 0 || D > kFfnMaxD || S < 2 || tile % S != 0 || tile > 4096) return cudaErrorInvalidValue;
   const bool gated = w_up != nullptr;
   const ffn::Optional path = ffn::optional_path(D, H, gated, paths);
   if (ready != nullptr && path != ffn::Optional::none) return cudaErrorInvalidValue;
@@ -521,6 +839,8 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
   p.dense_cap = w_act != nullptr ? paths.dense_cap : 0;
   p.xh = p.dense_cap > 0 ? reinterpret_cast<__nv_bfloat16*>(workspace + ffn::dense_offset(M, D, H, gated, paths)) : nullptr;
+  if (D > 2048) return gated ? ffn::launch_wide<true>(p, device, stream, max_sms)
+                             : ffn::launch_wide<false>(p, device, stream, max_sms);
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;

@@ -29,13 +29,15 @@ uint32_t gate_ready_target(int H);
 // out bf16 [M, D] from TwELL words tw [M, ceil(H/tile) * S] (+ spill area, may be null).
 // gated: w_up != nullptr. w_act (optional): the weight whose ReLU made the TwELL; enables the exact
 // in-kernel recompute of overflowing tiles without a spill copy (when null, such rows are left
-// unwritten for the caller). workspace: ffn_workspace_words(...) uint32 words. 64 <= D <= 2048.
+// unwritten for the caller). workspace: ffn_workspace_words(...) uint32 words. 64 <= D <= kFfnMaxD; rows
+// wider than 2048 take the wide kernels, in panels of 2048 columns (no block-union path there).
 // Optional paths for the rows that allow them (the per-row kernels take the rest):
 //   union_ratio > 0: the block-union tensor-core path (twell_union.cu): a block of 64 rows takes it
 //   when its union U of active neurons satisfies |U| <= union_ratio x (entries - union_base).
 //   dense_cap > 0: when w_act is given and at least kDenseMinRows rows are heavy, all of them go
 //   through the dense tensor-core path (twell_dense.cu) instead of the per-row heavy kernel, in
 //   rounds of dense_cap rows (a multiple of 128).
+constexpr int kFfnMaxD = 8192;  // the wide heavy kernel gives each of 8 warps D / 8 <= 1024 output columns
 struct FfnPaths {
   float union_ratio;  // 0 off
   float union_base;   // entries the union path's fixed cost per block is worth (0: the plain ratio rule)

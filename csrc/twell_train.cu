@@ -130,13 +130,15 @@ __global__ void compact_kernel(const __nv_bfloat16* __restrict__ g, int M, int H
   if (lane == 0) nnz[row] = base;
 }
 
-// Light rows, one block of 256 threads per row: thread t owns columns 8 t .. 8 t + 8 of D (D <= 2048).
+// Light rows, one block of 256 threads per row: thread t owns V vectors of 8 columns of D, vector v
+// columns 8 (t + 256 v) .. + 8 (V = ceil(D / 2048): D <= 2048 one, up to 8192 four).
 // The weight rows of a batch of kStages active neurons are copied into shared memory with cp.async,
-// each thread its own 16 bytes (so no barrier guards the ring; registers do not bound the bytes in
+// each thread its own V x 16 bytes (so no barrier guards the ring; registers do not bound the bytes in
 // flight). Phase A: per neuron a dot product with the row's x (or dy), reduced over the block once
 // per batch; phase B: the weighted sum of another weight's rows.
 constexpr int kStages = 8;
 constexpr int kRowThreads = 256;
+constexpr int kMaxRowVectors = 4;  // D <= 8 * 256 * 4 = 8192
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
@@ -172,35 +174,48 @@ __device__ __forceinline__ void block_sums(float* part, float (*scratch)[kStages
   __syncthreads();
 }
 
-// The block's dot products of v (this thread's 8 columns of a row of x or dy) with the rows of w of
+// This thread's columns: vector v covers 8 (t + 256 v) .. + 8; ring slot s of vector v.
+__device__ __forceinline__ int row_col(int v) { return 8 * (int(threadIdx.x) + kRowThreads * v); }
+template <int V>
+__device__ __forceinline__ uint4* ring_at(uint4* ring, int s, int v) {
+  return ring + (s * V + v) * kRowThreads + threadIdx.x;
+}
+
+// The block's dot products of v (this thread's V vectors of a row of x or dy) with the rows of w of
 // the active neurons k0 .. k0 + kStages, staged with cp.async: red[s] holds them on return.
-__device__ __forceinline__ void batch_dots(const uint4& v, const __nv_bfloat16* __restrict__ w, const int* sidx,
-                                           int k0, int n, int D, int col, bool has, uint4* ring,
-                                           float (*scratch)[kStages], float* red) {
-  const int t = threadIdx.x;
+template <int V>
+__device__ __forceinline__ void batch_dots(const uint4 (&v)[V], const __nv_bfloat16* __restrict__ w, const int* sidx,
+                                           int k0, int n, int D, uint4* ring, float (*scratch)[kStages], float* red) {
 #pragma unroll
   for (int s = 0; s < kStages; ++s)
-    if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w + size_t(sidx[k0 + s]) * D + col);
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      if (row_col(j) < D && k0 + s < n) cp_async16(ring_at<V>(ring, s, j), w + size_t(sidx[k0 + s]) * D + row_col(j));
   cp_async_commit();
   cp_async_wait_all();
   float part[kStages];
 #pragma unroll
-  for (int s = 0; s < kStages; ++s) part[s] = has && k0 + s < n ? dot8(v, ring[s * kRowThreads + t]) : 0.f;
+  for (int s = 0; s < kStages; ++s) {
+    part[s] = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      if (row_col(j) < D && k0 + s < n) part[s] += dot8(v[j], *ring_at<V>(ring, s, j));
+  }
   block_sums(part, scratch, red);
 }
 
+template <int V>
 __global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ idx, const __nv_bfloat16* __restrict__ val,
     const int* __restrict__ nnz, const __nv_bfloat16* __restrict__ w_up, const __nv_bfloat16* __restrict__ w_down_t,
     __nv_bfloat16* __restrict__ out, __nv_bfloat16* __restrict__ u_out, __nv_bfloat16* __restrict__ h_out,
     float* __restrict__ row_l1, int D, int slots) {
-  extern __shared__ uint4 ring[];  // kStages x 256 vectors, then hs[slots] floats, sidx[slots] ints
+  extern __shared__ uint4 ring[];  // kStages x V x 256 vectors, then hs[slots] floats, sidx[slots] ints
   __shared__ float scratch[kRowThreads / 32][kStages];
   __shared__ float red[kStages];
-  float* hs = reinterpret_cast<float*>(ring + kStages * kRowThreads);
+  float* hs = reinterpret_cast<float*>(ring + kStages * V * kRowThreads);
   int* sidx = reinterpret_cast<int*>(hs + slots);
-  const int row = blockIdx.x, t = threadIdx.x, col = t * 8;
-  const bool has = col < D;
+  const int row = blockIdx.x, t = threadIdx.x;
   const int n = nnz[row];
   if (n > slots) {  // heavy: the dense part writes this row
     if (t == 0) row_l1[row] = 0.f;
@@ -213,10 +228,13 @@ __global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
   }
   __syncthreads();
   const uint64_t stream = l2_stream();
-  const uint4 xv = has ? ld_policy(x + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
+  uint4 xv[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    xv[j] = row_col(j) < D ? ld_policy(x + size_t(row) * D + row_col(j), stream) : make_uint4(0, 0, 0, 0);
   float l1 = 0.f;
   for (int k0 = 0; k0 < n; k0 += kStages) {
-    batch_dots(xv, w_up, sidx, k0, n, D, col, has, ring, scratch, red);
+    batch_dots<V>(xv, w_up, sidx, k0, n, D, ring, scratch, red);
     if (t < kStages && k0 + t < n) {
       const int k = k0 + t;
       // dense bf16 rounds u (a GEMM output) and the product relu(g) * u
@@ -234,43 +252,54 @@ __global__ void __launch_bounds__(kRowThreads) rows_forward_kernel(
     for (int s = 0; s < kStages; ++s) v += scratch[0][s];
     row_l1[row] = v;
   }
-  float acc[8];
+  float acc[V][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
   for (int k0 = 0; k0 < n; k0 += kStages) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s)
-      if (has && k0 + s < n) cp_async16(ring + s * kRowThreads + t, w_down_t + size_t(sidx[k0 + s]) * D + col);
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (row_col(j) < D && k0 + s < n)
+          cp_async16(ring_at<V>(ring, s, j), w_down_t + size_t(sidx[k0 + s]) * D + row_col(j));
     cp_async_commit();
     cp_async_wait_all();
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      if (has && k0 + s < n) {
-        float f[8];
-        unpack8(ring[s * kRowThreads + t], f);
-        const float h = hs[k0 + s];
+      if (k0 + s >= n) continue;
+      const float h = hs[k0 + s];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(h, f[i], acc[i]);
+      for (int j = 0; j < V; ++j) {
+        if (row_col(j) < D) {
+          float f[8];
+          unpack8(*ring_at<V>(ring, s, j), f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[j][i] = fmaf(h, f[i], acc[j][i]);
+        }
       }
     }
   }
-  if (has) st_policy(out + size_t(row) * D + col, pack8(acc), stream);
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (row_col(j) < D) st_policy(out + size_t(row) * D + row_col(j), pack8(acc[j]), stream);
 }
 
+template <int V>
 __global__ void __launch_bounds__(kRowThreads) rows_backward_kernel(
     const __nv_bfloat16* __restrict__ dy, const int* __restrict__ idx, const __nv_bfloat16* __restrict__ val,
     const __nv_bfloat16* __restrict__ u_in, const __nv_bfloat16* __restrict__ h_in, const int* __restrict__ nnz,
     const __nv_bfloat16* __restrict__ w_down_t, const __nv_bfloat16* __restrict__ w_up,
     const __nv_bfloat16* __restrict__ w_gate, const float* __restrict__ l1_grad, __nv_bfloat16* __restrict__ dx,
     __nv_bfloat16* __restrict__ du_out, __nv_bfloat16* __restrict__ dg_out, int D, int slots) {
-  extern __shared__ uint4 ring[];  // kStages x 256 vectors, then dus, dgs [slots] floats, sidx [slots] ints
+  extern __shared__ uint4 ring[];  // kStages x V x 256 vectors, then dus, dgs [slots] floats, sidx [slots] ints
   __shared__ float scratch[kRowThreads / 32][kStages];
   __shared__ float red[kStages];
-  float* dus = reinterpret_cast<float*>(ring + kStages * kRowThreads);
+  float* dus = reinterpret_cast<float*>(ring + kStages * V * kRowThreads);
   float* dgs = dus + slots;
   int* sidx = reinterpret_cast<int*>(dgs + slots);
-  const int row = blockIdx.x, t = threadIdx.x, col = t * 8;
-  const bool has = col < D;
+  const int row = blockIdx.x, t = threadIdx.x;
   const int n = nnz[row];
   if (n > slots) return;  // heavy: the dense part writes this row
   const size_t r0 = size_t(row) * slots;
@@ -278,9 +307,12 @@ __global__ void __launch_bounds__(kRowThreads) rows_backward_kernel(
   __syncthreads();
   const float l1g = l1_grad == nullptr ? 0.f : *l1_grad;
   const uint64_t stream = l2_stream();
-  const uint4 dv = has ? ld_policy(dy + size_t(row) * D + col, stream) : make_uint4(0, 0, 0, 0);
+  uint4 dv[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    dv[j] = row_col(j) < D ? ld_policy(dy + size_t(row) * D + row_col(j), stream) : make_uint4(0, 0, 0, 0);
   for (int k0 = 0; k0 < n; k0 += kStages) {
-    batch_dots(dv, w_down_t, sidx, k0, n, D, col, has, ring, scratch, red);
+    batch_dots<V>(dv, w_down_t, sidx, k0, n, D, ring, scratch, red);
     if (t < kStages && k0 + t < n) {
       const int k = k0 + t;
       const float h = __bfloat162float(h_in[r0 + k]);
@@ -296,34 +328,45 @@ __global__ void __launch_bounds__(kRowThreads) rows_backward_kernel(
     }
   }
   __syncthreads();  // dus, dgs visible to every thread
-  float acc[8];
+  float acc[V][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
   constexpr int kPairs = kStages / 2;  // w_up and w_gate rows of a neuron share a batch
   for (int k0 = 0; k0 < n; k0 += kPairs) {
 #pragma unroll
     for (int s = 0; s < kPairs; ++s) {
-      if (has && k0 + s < n) {
-        const size_t off = size_t(sidx[k0 + s]) * D + col;
-        cp_async16(ring + (2 * s) * kRowThreads + t, w_up + off);
-        cp_async16(ring + (2 * s + 1) * kRowThreads + t, w_gate + off);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (row_col(j) < D && k0 + s < n) {
+          const size_t off = size_t(sidx[k0 + s]) * D + row_col(j);
+          cp_async16(ring_at<V>(ring, 2 * s, j), w_up + off);
+          cp_async16(ring_at<V>(ring, 2 * s + 1, j), w_gate + off);
+        }
       }
     }
     cp_async_commit();
     cp_async_wait_all();
 #pragma unroll
     for (int s = 0; s < kPairs; ++s) {
-      if (has && k0 + s < n) {
-        float fu[8], fg[8];
-        unpack8(ring[(2 * s) * kRowThreads + t], fu);
-        unpack8(ring[(2 * s + 1) * kRowThreads + t], fg);
-        const float du = dus[k0 + s], dg = dgs[k0 + s];
+      if (k0 + s >= n) continue;
+      const float du = dus[k0 + s], dg = dgs[k0 + s];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = fmaf(dg, fg[i], fmaf(du, fu[i], acc[i]));
+      for (int j = 0; j < V; ++j) {
+        if (row_col(j) < D) {
+          float fu[8], fg[8];
+          unpack8(*ring_at<V>(ring, 2 * s, j), fu);
+          unpack8(*ring_at<V>(ring, 2 * s + 1, j), fg);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[j][i] = fmaf(dg, fg[i], fmaf(du, fu[i], acc[j][i]));
+        }
       }
     }
   }
-  if (has) st_policy(dx + size_t(row) * D + col, pack8(acc), stream);
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (row_col(j) < D) st_policy(dx + size_t(row) * D + row_col(j), pack8(acc[j]), stream);
 }
 
 // Weight gradients, one block per work item (a neuron's entries lo..hi of the column-sorted list):
@@ -682,7 +725,37 @@ __global__ void gate_product_kernel(const __nv_bfloat16* __restrict__ g, const _
 
 int row_blocks(int M) { return (M + kRowsPerBlock - 1) / kRowsPerBlock; }
 
-size_t row_smem(int slots, int arrays) { return size_t(kStages) * kRowThreads * 16 + size_t(arrays) * slots * 4; }
+size_t row_smem(int slots, int arrays, int V) {
+  return size_t(kStages) * V * kRowThreads * 16 + size_t(arrays) * slots * 4;
+}
+int row_vectors(int D) { return (D + 8 * kRowThreads - 1) / (8 * kRowThreads); }
+
+template <int V>
+cudaError_t launch_rows_forward(const TrainRows& a, cudaStream_t stream) {
+  const size_t smem = row_smem(a.slots, 2, V);
+  cudaError_t err = cudaFuncSetAttribute(rows_forward_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  rows_forward_kernel<V><<<a.M, kRowThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val), a.nnz,
+      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
+      static_cast<__nv_bfloat16*>(a.out), static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1),
+      a.row_l1, a.D, a.slots);
+  return cudaGetLastError();
+}
+
+template <int V>
+cudaError_t launch_rows_backward(const TrainRows& a, cudaStream_t stream) {
+  const size_t smem = row_smem(a.slots, 3, V);
+  cudaError_t err = cudaFuncSetAttribute(rows_backward_kernel<V>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err != cudaSuccess) return err;
+  rows_backward_kernel<V><<<a.M, kRowThreads, smem, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val),
+      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.h), a.nnz,
+      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
+      static_cast<const __nv_bfloat16*>(a.w2), a.l1_grad, static_cast<__nv_bfloat16*>(a.out),
+      static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1), a.D, a.slots);
+  return cudaGetLastError();
+}
 
 }  // namespace
 
@@ -703,31 +776,24 @@ cudaError_t launch_train_compact(const void* g, int M, int H, int slots, int* id
 
 cudaError_t launch_train_rows_forward(const TrainRows& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
-  if (a.D > 8 * kRowThreads) return cudaErrorInvalidValue;
-  const size_t smem = row_smem(a.slots, 2);
-  cudaError_t err = cudaFuncSetAttribute(rows_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  rows_forward_kernel<<<a.M, kRowThreads, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val), a.nnz,
-      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
-      static_cast<__nv_bfloat16*>(a.out), static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1),
-      a.row_l1, a.D, a.slots);
-  return cudaGetLastError();
+  switch (row_vectors(a.D)) {
+    case 1: return launch_rows_forward<1>(a, stream);
+    case 2: return launch_rows_forward<2>(a, stream);
+    case 3: return launch_rows_forward<3>(a, stream);
+    case 4: return launch_rows_forward<4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t launch_train_rows_backward(const TrainRows& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
-  if (a.D > 8 * kRowThreads) return cudaErrorInvalidValue;
-  const size_t smem = row_smem(a.slots, 3);
-  cudaError_t err = cudaFuncSetAttribute(rows_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err != cudaSuccess) return err;
-  rows_backward_kernel<<<a.M, kRowThreads, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.x), a.idx, static_cast<const __nv_bfloat16*>(a.val),
-      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.h), a.nnz,
-      static_cast<const __nv_bfloat16*>(a.w0), static_cast<const __nv_bfloat16*>(a.w1),
-      static_cast<const __nv_bfloat16*>(a.w2), a.l1_grad, static_cast<__nv_bfloat16*>(a.out),
-      static_cast<__nv_bfloat16*>(a.s0), static_cast<__nv_bfloat16*>(a.s1), a.D, a.slots);
-  return cudaGetLastError();
+  switch (row_vectors(a.D)) {
+    case 1: return launch_rows_backward<1>(a, stream);
+    case 2: return launch_rows_backward<2>(a, stream);
+    case 3: return launch_rows_backward<3>(a, stream);
+    case 4: return launch_rows_backward<4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t launch_train_entries(const int* idx, const int* nnz, int M, int H, int slots, int* counts, int* cursor,
@@ -841,7 +907,8 @@ cudaError_t launch_train_plan(const int* col_ptr, int H, int chunk, int* sizes, 
 
 // Slices of D for the weight-gradient kernel: the fewest (a power of two, at least 256 columns each)
 // whose gathered columns of x and dy, 2 * M * D / parts bf16 values, fit in half of the L2.
-// forced > 0 sets the count (the benchmark's sweep, the tests).
+// forced > 0 sets the count (the benchmark's sweep, the tests). Never fewer than ceil(D / 2048): a
+// block has one thread per 8 columns of its slice, at most 256.
 int train_column_parts(int M, int D, int forced) {
   int parts = 1;
   if (forced > 0) {
@@ -855,7 +922,7 @@ int train_column_parts(int M, int D, int forced) {
     const int64_t bytes = int64_t(M) * D * 2 * 2;
     while (l2 > 0 && bytes / parts > l2 / 2 && D / (parts * 2) >= 256) parts *= 2;
   }
-  return std::max(1, std::min(parts, (D + 7) / 8));
+  return std::max((D + 2047) / 2048, std::min(parts, (D + 7) / 8));
 }
 
 cudaError_t launch_train_columns(const TrainColumns& a, cudaStream_t stream) {

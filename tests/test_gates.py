@@ -250,7 +250,7 @@ def _positive_rows(M, D, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation,threshold,D,H", [
     ("fatrelu", 1.0, 2048, 5632), ("drelu", 0.0, 2048, 5632),
-    ("relu", 0.0, 4096, 2048),  # wider than the other kernels take: only the decoding op runs it
+    ("relu", 0.0, 8256, 2048),  # wider than the other kernels take: only the decoding op runs it
     ("fatrelu", 1.0, 1536, 3840),
 ])
 def test_on_cuda_auto_runs_a_decode_only_layer_dense_then_on_the_decoding_op(activation, threshold, D, H):

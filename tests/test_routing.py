@@ -443,7 +443,7 @@ def test_the_activity_class_answers_every_threshold_as_the_activity_does():
 
 # -- layers only the decoding op runs ------------------------------------------------------------------
 @pytest.mark.parametrize("change", [dict(activation="fatrelu", gate_why="FATReLU (gate threshold 0.01): no epilogue"),
-                                    dict(no_kernel_why="the fused TwELL kernel supports D <= 2048 for now")])
+                                    dict(no_kernel_why="the fused TwELL kernels support D <= 8192, got D=8256")])
 def test_auto_on_a_decode_only_layer(change):
     """A gate variant or a width only the decoding op takes: dense (measuring the activity on the first call
     with rows outside a capture or compile), then the decoding op on up to decode_max_rows rows."""

@@ -82,6 +82,12 @@ def _random(M, D, H, seed=0, bias=0.0, device="cuda"):
     (513, 2048, 5632, -2.5, 128),
     (64, 1032, 96, 0.0, 4),  # half of the gate open: most rows heavy
     (700, 256, 777, -1.0, 8),  # heavy rows on the dense tensor-core path, over several of its rounds
+    # wider than 2048: each thread of a row block owns ceil(D / 2048) vectors of 8 columns
+    (300, 2056, 700, -2.0, 16),
+    (513, 4096, 5632, -2.5, 128),
+    (200, 5128, 640, -1.5, 32),
+    (257, 8192, 1024, -2.0, 128),
+    (64, 6144, 96, 0.0, 4),
 ])
 def test_random_shapes(M, D, H, bias, slots):
     check_case(*_random(M, D, H, seed=M + D, bias=bias), slots=slots)
@@ -103,6 +109,20 @@ def test_weight_gradients_in_slices_of_d(parts, monkeypatch):
     for name, a, b in zip(NAMES, sliced, one):
         assert torch.equal(a, b), name
     check_case(x, wg, wu, wd, slots=16)
+
+
+def test_wide_weight_gradients_take_at_least_one_slice_per_2048_columns(monkeypatch):
+    """A slice of the weight-gradient kernel spans at most 2048 columns (one thread per 8): a forced count
+    below ceil(D / 2048) is raised to it, with the same gradients as the default's slices."""
+    x, wg, wu, wd = _random(600, 6144, 640, seed=5, bias=-2.0)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    results = []
+    for parts in (1, 3, 0):  # 0: the default rule
+        monkeypatch.setattr(ktrain, "COLUMN_PARTS", parts)
+        results.append(_run(ktrain.train_gated_ffn, x, wg, wu, wd, dy, 0.3, 32)[0])
+    for name, *abc in zip(NAMES, *results):
+        assert torch.equal(abc[0], abc[1]), name
+    check_case(x, wg, wu, wd, slots=32)
 
 
 @pytest.mark.parametrize("case", [(8, 0.1), (29, 0.1), (64, 0.1), (29, 0.35)], ids=["nnz8", "nnz29", "nnz64", "heavy"])
@@ -305,6 +325,8 @@ def test_bad_inputs():
         ktrain.train_gated_ffn(x.float(), wg, wu, wd)
     with pytest.raises(ValueError, match="multiple of 8"):
         ktrain.train_gated_ffn(*_random(16, 60, 128))
+    with pytest.raises(ValueError, match="at most 8192"):
+        ktrain.train_gated_ffn(*_random(4, 8200, 16))
     with pytest.raises(ValueError, match="slots"):
         ktrain.train_gated_ffn(x, wg, wu, wd, slots=0)
 

@@ -53,6 +53,10 @@ SPARSITY: dict[str, tuple[float, float]] = {
     "nnz29": (29, 0.1),
     "nnz64": (64, 0.1),
     "nnz29-heavy": (29, 0.35),
+    # 0.5% active at the wide shapes' H (11008, 13824, 28672): the paper's sparsity at 7B, 13B and 70B width
+    "nnz55": (55, 0.1),
+    "nnz69": (69, 0.1),
+    "nnz143": (143, 0.1),
     # most rows past the training format's 128 slots: the cliff case (not a BENCHMARK.md default)
     "near-dense": (1500, 0.1),
 }

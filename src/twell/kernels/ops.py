@@ -47,8 +47,11 @@ def _width_limit(D: int) -> str:
     return f"the TwELL kernels need D to be a positive multiple of 64, got D={D}" if D % 64 or D <= 0 else ""
 
 
+FFN_MAX_D = 8192  # csrc/twell_kernels.h kFfnMaxD: rows wider than 2048 take the wide (panelled) kernels
+
+
 def _fused_limit(D: int) -> str:
-    return _width_limit(D) or (f"the fused TwELL kernel supports D <= 2048 for now, got D={D}" if D > 2048 else "")
+    return _width_limit(D) or (f"the fused TwELL kernels support D <= {FFN_MAX_D}, got D={D}" if D > FFN_MAX_D else "")
 
 
 def _tile_limit(tile: int) -> str:

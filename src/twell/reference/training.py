@@ -20,7 +20,7 @@ from twell.reference.gates import active as active_mask, check_gate_settings, hi
 # paper's hybrid training format uses the same 128.
 TRAIN_SLOTS = 128
 # The widest layer (D, a multiple of 8) the training kernels take; the reference takes any.
-TRAIN_MAX_D = 2048
+TRAIN_MAX_D = 8192
 # Hot neurons (``hot=``, computed as columns of dense GEMMs over all rows): by default those active on at least
 # this fraction of a forward's rows; whether the split pays is a layer's own matter, so it is timed per layer
 # (docs/training_kernels.md, "Hot neurons"). The set is rounded up to a multiple of HOT_MULTIPLE (tensor-core
