@@ -724,20 +724,13 @@ inline size_t dense_offset(int M, int D, int H, bool gated, const FfnPaths& path
   return (w + 31) & ~size_t(31);
 }
 
-// p.ready set (the one op, docs/kernels.md §6): the call follows the gate kernel that wrote p.tw with
-// ready counters, and the caller zeroed the queue header before that kernel. The light kernel is
-// then launched with programmatic stream serialization: its CTAs start as the gate kernel's CTAs
-// leave (the gate's last partial wave leaves most SMs idle for a tile's time), and each warp waits
-// for its row's counter.
-template <int CH, bool FULL>
-cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& paths, int device, cudaStream_t stream,
-                      int max_sms) {
+// The per-row kernels of one width (light, heavy, their shared memory), the optional block-union path (uw)
+// and the dense path for heavy rows, in stream order.
+cudaError_t launch_rows(void (*light)(Params), void (*heavy)(Params), int smem_bytes, const Params& p,
+                        const Workspace* uw, const FfnPaths& paths, int device, cudaStream_t stream, int max_sms) {
   const bool after_gate = p.ready != nullptr;
-  const bool gated = p.w_up != nullptr;
-  auto light = gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>;
-  auto heavy = gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>;
-  cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   int sms = 0;
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (max_sms > 0) sms = std::min(sms, max_sms);
@@ -754,7 +747,7 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& path
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = after_gate ? 1 : 0;
@@ -765,42 +758,29 @@ cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& path
     err = launch_dense_rows(p.x, p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
                             p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, sms, stream);
   if (err != cudaSuccess) return err;
-  heavy<<<sms, WARPS * 32, SMEM_BYTES, stream>>>(p);
+  heavy<<<sms, WARPS * 32, smem_bytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// p.ready set (the one op, docs/kernels.md §6): the call follows the gate kernel that wrote p.tw with
+// ready counters, and the caller zeroed the queue header before that kernel. The light kernel is
+// then launched with programmatic stream serialization: its CTAs start as the gate kernel's CTAs
+// leave (the gate's last partial wave leaves most SMs idle for a tile's time), and each warp waits
+// for its row's counter.
+template <int CH, bool FULL>
+cudaError_t launch_ch(const Params& p, const Workspace* uw, const FfnPaths& paths, int device, cudaStream_t stream,
+                      int max_sms) {
+  const bool gated = p.w_up != nullptr;
+  return launch_rows(gated ? light_kernel<CH, true, FULL> : light_kernel<CH, false, FULL>,
+                     gated ? heavy_kernel<CH, true, FULL> : heavy_kernel<CH, false, FULL>, SMEM_BYTES, p, uw, paths,
+                     device, stream, max_sms);
 }
 
 // D > 2048: the wide kernels (no optional path: the block-union one stops at D = 2048).
 template <bool GATED>
-cudaError_t launch_wide(const Params& p, int device, cudaStream_t stream, int max_sms) {
-  auto light = wide::light_kernel<GATED>;
-  auto heavy = wide::heavy_kernel<GATED>;
-  cudaError_t err = cudaFuncSetAttribute(light, cudaFuncAttributeMaxDynamicSharedMemorySize, wide::SMEM_BYTES);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(heavy, cudaFuncAttributeMaxDynamicSharedMemorySize, wide::SMEM_BYTES);
-  int sms = 0;
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (max_sms > 0) sms = std::min(sms, max_sms);
-  const bool after_gate = p.ready != nullptr;
-  if (err == cudaSuccess && !after_gate) err = cudaMemsetAsync(p.heavy, 0, Q_ROWS * sizeof(uint32_t), stream);
-  if (err != cudaSuccess) return err;
-  const int rows_per_wave = sms * WARPS;
-  const int grid = p.M < rows_per_wave ? (p.M + WARPS - 1) / WARPS : sms;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(WARPS * 32);
-  cfg.dynamicSmemBytes = wide::SMEM_BYTES;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = after_gate ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, light, p);
-  if (err == cudaSuccess && p.dense_cap > 0)
-    err = launch_dense_rows(p.x, p.w_act, p.w_up, p.w_down_t, p.out, p.heavy + Q_HEAVY_COUNT, p.heavy + Q_ROWS, p.xh,
-                            p.xh + size_t(p.dense_cap) * p.D, p.dense_cap, p.D, p.H, sms, stream);
-  if (err != cudaSuccess) return err;
-  heavy<<<sms, WARPS * 32, wide::SMEM_BYTES, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t launch_wide(const Params& p, const FfnPaths& paths, int device, cudaStream_t stream, int max_sms) {
+  return launch_rows(wide::light_kernel<GATED>, wide::heavy_kernel<GATED>, wide::SMEM_BYTES, p, nullptr, paths, device,
+                     stream, max_sms);
 }
 
 // ready: null, or the gate kernel's ready counters when the call directly follows that kernel
@@ -839,8 +819,8 @@ cudaError_t launch(const void* x, const uint32_t* tw, const uint32_t* spill, con
   // The dense path's buffers (xh, then hidden) follow the optional path's scratch, 128-byte aligned.
   p.dense_cap = w_act != nullptr ? paths.dense_cap : 0;
   p.xh = p.dense_cap > 0 ? reinterpret_cast<__nv_bfloat16*>(workspace + ffn::dense_offset(M, D, H, gated, paths)) : nullptr;
-  if (D > 2048) return gated ? ffn::launch_wide<true>(p, device, stream, max_sms)
-                             : ffn::launch_wide<false>(p, device, stream, max_sms);
+  if (D > 2048) return gated ? ffn::launch_wide<true>(p, paths, device, stream, max_sms)
+                             : ffn::launch_wide<false>(p, paths, device, stream, max_sms);
   const int ch = (D + 255) / 256;
   const int CH = ch <= 1 ? 1 : ch <= 2 ? 2 : ch <= 4 ? 4 : 8;
   const bool full = D == 256 * CH;
